@@ -1,0 +1,137 @@
+"""Scheduler and cache configuration: frozen, validated where they are made."""
+
+from __future__ import annotations
+
+import attrs
+
+from .errors import ConfigError
+
+POLICY_NAMES = ("fcfs", "priority", "strict-priority", "deadline", "fair", "weighted")
+
+
+def _at_least(minimum: float):
+    def check(instance, attribute, value) -> None:
+        if value < minimum:
+            raise ConfigError(f"{attribute.name} must be >= {minimum}, got {value!r}")
+    return check
+
+
+def _fraction(instance, attribute, value) -> None:
+    if not 0.0 <= value < 1.0:
+        raise ConfigError(f"{attribute.name} must be in [0, 1), got {value!r}")
+
+
+def _policy_name(instance, attribute, value) -> None:
+    if not isinstance(value, str) or (value not in POLICY_NAMES and ":" not in value):
+        raise ConfigError(
+            f"{attribute.name} must be one of {', '.join(POLICY_NAMES)} "
+            f"or 'package.module:Class', got {value!r}"
+        )
+
+
+@attrs.frozen
+class CacheConfig:
+    """The paged KV cache as the scheduler accounts for it.
+
+    num_blocks: KV blocks available (the executor reports the real figure at start-up).
+    block_size: tokens per block.
+    enable_prefix_caching: reuse full blocks whose chained hash is already cached.
+    """
+
+    num_blocks: int = attrs.field(default=8192, validator=_at_least(1))
+    block_size: int = attrs.field(default=16, validator=_at_least(1))
+    enable_prefix_caching: bool = True
+
+
+@attrs.frozen
+class SchedulerConfig:
+    """How the scheduler batches, orders and limits requests.
+
+    Limits
+      max_num_seqs: requests running at once (holding KV blocks).
+      max_batch_size: requests in one step's batch; defaults to `max_num_seqs`.
+      max_num_batched_tokens: tokens scheduled in one step (the token budget).
+      max_model_len: prompt plus output tokens one request may reach.
+      max_waiting: requests queued; beyond it `add_request` raises `QueueFullError`.
+      long_prefill_token_threshold: most prefill tokens one request gets per step
+        (0: no cap beyond the budget), so one long prompt cannot take a whole step.
+      enable_chunked_prefill: split prompts across steps; when off, a prompt must
+        fit the budget whole.
+
+    Ordering
+      policy: `fcfs`, `priority` (lower value first, aged), `strict-priority` (no
+        aging: can starve, kept for the checker), `deadline` (earliest deadline
+        first), `fair` (per-tenant virtual token counters), `weighted` (the score
+        below), or `package.module:Class` for a user policy.
+      enable_priority_scheduling: when off, request priorities are ignored by every
+        policy and never cause preemption.
+      aging_s: under `priority`, a waiting request gains one priority level per
+        `aging_s` seconds waited, so low priorities cannot starve.
+      default_deadline_s: under `deadline`, the deadline of a request without one is
+        its arrival plus this.
+      reject_late: under `deadline`, a waiting request whose deadline has passed
+        finishes as rejected instead of taking capacity it can no longer use well.
+      fair_input_weight / fair_output_weight: tokens charged to a tenant's virtual
+        counter per prompt and per generated token under `fair`.
+      priority_weight, latency_weight, throughput_weight: the `weighted` policy ranks a
+        waiting request by priority_weight * priority + latency_weight * arrival_s +
+        throughput_weight * prompt tokens (lowest first): priority, age, and shortest
+        job first for throughput.
+      enable_batch_sorting: order each plan's requests decodes first, then prefills by
+        length, which lets the executor treat the decode part as one block.
+
+    Protection against vLLM's failure modes
+      starvation_skip_limit: steps a waiting request may be passed over for smaller
+        ones before it reserves capacity (nothing behind it is admitted until it is).
+      max_lookahead: waiting requests examined per step after one does not fit.
+      preempt_for_priority: a waiting request may preempt a running one of strictly
+        lower priority.
+      admission_watermark: fraction of blocks kept free when admitting, so running
+        requests can grow without immediate preemption.
+
+    Shell
+      schedule_interval_us: the scheduler actor waits at least this long between
+        steps (0: step as soon as there is work); the core ignores it.
+      debug_checks: check the invariants of DESIGN §4 after every call (slow).
+    """
+
+    max_num_seqs: int = attrs.field(default=256, validator=_at_least(1))
+    max_num_batched_tokens: int = attrs.field(default=8192, validator=_at_least(1))
+    max_model_len: int = attrs.field(default=4096, validator=_at_least(1))
+    max_waiting: int = attrs.field(default=1_000_000, validator=_at_least(0))
+    max_batch_size: int | None = None
+    long_prefill_token_threshold: int = attrs.field(default=0, validator=_at_least(0))
+    enable_chunked_prefill: bool = True
+    policy: str = attrs.field(default="fcfs", validator=_policy_name)
+    enable_priority_scheduling: bool = True
+    aging_s: float = attrs.field(default=16.0, validator=_at_least(0.0))
+    default_deadline_s: float = attrs.field(default=60.0, validator=_at_least(0.0))
+    reject_late: bool = False
+    fair_input_weight: float = attrs.field(default=1.0, validator=_at_least(0.0))
+    fair_output_weight: float = attrs.field(default=2.0, validator=_at_least(0.0))
+    priority_weight: float = 1.0
+    latency_weight: float = 1.0
+    throughput_weight: float = 0.0
+    enable_batch_sorting: bool = False
+    starvation_skip_limit: int = attrs.field(default=32, validator=_at_least(0))
+    max_lookahead: int = attrs.field(default=64, validator=_at_least(0))
+    preempt_for_priority: bool = True
+    admission_watermark: float = attrs.field(default=0.01, validator=_fraction)
+    schedule_interval_us: int = attrs.field(default=0, validator=_at_least(0))
+    debug_checks: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_batch_size is not None and not 1 <= self.max_batch_size:
+            raise ConfigError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}) when enable_chunked_prefill is off"
+            )
+
+    @property
+    def batch_size_limit(self) -> int:
+        """Requests one step may schedule."""
+        if self.max_batch_size is None:
+            return self.max_num_seqs
+        return min(self.max_batch_size, self.max_num_seqs)

@@ -1,0 +1,70 @@
+"""Every error a Cadence user may catch, defined in one place.
+
+The actors, the server and the clients re-raise these same classes, so
+`except cadence.statemachine.errors.QueueFullError` works whichever layer
+raised it.
+"""
+
+from __future__ import annotations
+
+
+class CadenceError(Exception):
+    """Base class of every error Cadence raises on purpose."""
+
+
+class ConfigError(CadenceError, ValueError):
+    """A configuration field is out of range; the message names the field."""
+
+
+class InvalidRequestError(CadenceError, ValueError):
+    """A request field is invalid; the message names the field and the limit."""
+
+
+class RequestTooLongError(InvalidRequestError):
+    """The prompt plus `max_tokens` cannot fit in `max_model_len` or in the KV cache."""
+
+
+class QueueFullError(CadenceError):
+    """The waiting queue already holds `max_waiting` requests."""
+
+
+class RequestNotFoundError(CadenceError, KeyError):
+    """No live request has this id."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "request not found"
+
+
+class DuplicateRequestError(InvalidRequestError):
+    """A live request already has this id."""
+
+
+class IllegalTransition(CadenceError):
+    """An event arrived that the request state machine has no edge for."""
+
+
+class ProtocolError(CadenceError):
+    """A message could not be decoded or violates the wire protocol."""
+
+
+class ExecutorError(CadenceError):
+    """The executor failed a step, died, or stopped answering."""
+
+
+class EngineClosedError(CadenceError):
+    """The engine is shutting down or has shut down."""
+
+
+__all__ = [
+    "CadenceError",
+    "ConfigError",
+    "InvalidRequestError",
+    "RequestTooLongError",
+    "QueueFullError",
+    "RequestNotFoundError",
+    "DuplicateRequestError",
+    "IllegalTransition",
+    "ProtocolError",
+    "ExecutorError",
+    "EngineClosedError",
+]

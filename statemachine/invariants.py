@@ -1,0 +1,175 @@
+"""The invariants of DESIGN §4 as named predicates over the real core.
+
+Each predicate returns a list of violations (empty when it holds), so a checker
+can report all of them. `check_scheduler` raises on the first failing one; the
+scheduler's debug mode, the tests, the model checker and the simulation all use
+these same definitions (`cadence.spec.invariants` re-exports them).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .fsm import RequestState
+from .scheduler import Scheduler
+
+
+class InvariantViolation(AssertionError):
+    """An invariant of the scheduling core does not hold."""
+
+
+def blocks_partition(s: Scheduler) -> list[str]:
+    """§4.1: free + evictable + in use == num_blocks, and the three are disjoint."""
+    bm = s.blocks
+    free, evictable = set(bm.free_ids), set(bm.evictable)
+    in_use = {b for b in range(bm.num_blocks) if bm.ref_counts[b] > 0}
+    out = []
+    if len(free) != len(bm.free_ids):
+        out.append("free list holds a block twice")
+    if free & evictable or free & in_use or evictable & in_use:
+        out.append(f"block sets overlap: free&evictable={free & evictable}, "
+                   f"free&in_use={free & in_use}, evictable&in_use={evictable & in_use}")
+    if len(free) + len(evictable) + len(in_use) != bm.num_blocks:
+        out.append(f"free {len(free)} + evictable {len(evictable)} + in use {len(in_use)} "
+                   f"!= {bm.num_blocks}")
+    return out
+
+
+def refcounts_match_tables(s: Scheduler) -> list[str]:
+    """§4.2: each block's refcount is the number of tables holding it; refcount 0
+    exactly for free or evictable blocks."""
+    bm = s.blocks
+    counts = [0] * bm.num_blocks
+    for table in bm.tables.values():
+        for b in table:
+            counts[b] += 1
+    out = [f"block {b}: refcount {bm.ref_counts[b]} but held by {counts[b]} tables"
+           for b in range(bm.num_blocks) if counts[b] != bm.ref_counts[b]]
+    for table in bm.tables.values():
+        if len(set(table)) != len(table):
+            out.append(f"a table holds a block twice: {table}")
+    return out
+
+
+def cached_hashes_consistent(s: Scheduler) -> list[str]:
+    """§4.3: every cached block's key matches the chained key of its contents in the
+    tables that hold it, and the hash map holds each block once."""
+    bm = s.blocks
+    out = []
+    seen: set[int] = set()
+    for key, b in bm.cached.items():
+        if b in seen:
+            out.append(f"block {b} cached under two keys")
+        seen.add(b)
+        if bm.block_key[b] != key:
+            out.append(f"block {b}: map key and block key differ")
+    for b, key in enumerate(bm.block_key):
+        if key is not None and bm.cached.get(key) != b:
+            out.append(f"block {b} has a key but is not in the map")
+    for rid, table in bm.tables.items():
+        req = s.requests.get(rid)
+        if req is None:
+            continue
+        parent = 0
+        for i, b in enumerate(table):
+            if (i + 1) * bm.block_size > len(req.all_token_ids):
+                break
+            tokens = tuple(req.all_token_ids[i * bm.block_size:(i + 1) * bm.block_size])
+            key = (parent, tokens, req.cache_salt)
+            if bm.block_key[b] is not None and bm.block_key[b] != key:
+                out.append(f"request {rid!r} block {i} (id {b}) cached with other contents")
+            parent = hash(key)
+    return out
+
+
+def completed_hold_nothing_running_hold_enough(s: Scheduler) -> list[str]:
+    """§4.5: only live requests hold blocks; a running request holds enough blocks for
+    its computed tokens and no more than its reservation needs."""
+    bm = s.blocks
+    out = []
+    for rid, table in bm.tables.items():
+        req = s.requests.get(rid)
+        if req is None or req.state is not RequestState.RUNNING:
+            out.append(f"request {rid!r} holds blocks but is not running")
+            continue
+        low = bm.blocks_for(req.num_computed_tokens)
+        high = bm.blocks_for(max(req.num_computed_tokens, req.num_tokens))
+        if not low <= len(table) <= high:
+            out.append(f"running {rid!r} holds {len(table)} blocks, expected {low}..{high} "
+                       f"(computed {req.num_computed_tokens}, tokens {req.num_tokens})")
+    for req in s.running:
+        if req.request_id not in bm.tables:
+            out.append(f"running {req.request_id!r} holds no table")
+    return out
+
+
+def queues_partition(s: Scheduler) -> list[str]:
+    """§4.6: every live request is in exactly one of waiting and running."""
+    waiting = s.policy.ordered()
+    running = s.running
+    wid = [r.request_id for r in waiting]
+    rid = [r.request_id for r in running]
+    out = []
+    if len(set(wid)) != len(wid) or len(set(rid)) != len(rid):
+        out.append("a request is queued twice")
+    if set(wid) & set(rid):
+        out.append(f"both waiting and running: {set(wid) & set(rid)}")
+    if set(wid) | set(rid) != set(s.requests):
+        out.append(f"live {sorted(s.requests)} != waiting {sorted(wid)} + running {sorted(rid)}")
+    out += [f"waiting {r.request_id!r} is {r.state.value}" for r in waiting if r.state is not RequestState.PENDING]
+    out += [f"running {r.request_id!r} is {r.state.value}" for r in running if r.state is not RequestState.RUNNING]
+    return out
+
+
+def limits_respected(s: Scheduler) -> list[str]:
+    """§4.7 and §4.8 on the current state: running <= max_num_seqs, waiting <=
+    max_waiting, no request past max_model_len or its max_tokens."""
+    c = s.config
+    out = []
+    if len(s.running) > c.max_num_seqs:
+        out.append(f"{len(s.running)} running > max_num_seqs {c.max_num_seqs}")
+    if len(s.policy) > c.max_waiting:
+        out.append(f"{len(s.policy)} waiting > max_waiting {c.max_waiting}")
+    for req in s.requests.values():
+        if req.num_tokens > c.max_model_len:
+            out.append(f"{req.request_id!r} has {req.num_tokens} tokens > max_model_len")
+        if len(req.output_token_ids) > req.limits.max_tokens:
+            out.append(f"{req.request_id!r} generated past max_tokens")
+        if req.num_computed_tokens > req.num_tokens:
+            out.append(f"{req.request_id!r} computed {req.num_computed_tokens} > {req.num_tokens} tokens")
+    return out
+
+
+def plan_within_budget(s: Scheduler, plan) -> list[str]:
+    """§4.7 for one plan: scheduled tokens and batch size within the limits."""
+    c = s.config
+    out = []
+    if plan.total_num_scheduled_tokens > c.max_num_batched_tokens:
+        out.append(f"plan schedules {plan.total_num_scheduled_tokens} > {c.max_num_batched_tokens} tokens")
+    if len(plan.num_scheduled_tokens) > c.batch_size_limit:
+        out.append(f"plan batches {len(plan.num_scheduled_tokens)} > {c.batch_size_limit} requests")
+    if any(n <= 0 for n in plan.num_scheduled_tokens.values()):
+        out.append("plan schedules a request for no tokens")
+    return out
+
+
+STATE_INVARIANTS: dict[str, Callable[[Scheduler], list[str]]] = {
+    "blocks_partition": blocks_partition,
+    "refcounts_match_tables": refcounts_match_tables,
+    "cached_hashes_consistent": cached_hashes_consistent,
+    "completed_hold_nothing_running_hold_enough": completed_hold_nothing_running_hold_enough,
+    "queues_partition": queues_partition,
+    "limits_respected": limits_respected,
+}
+
+
+def violations(s: Scheduler) -> list[str]:
+    """Every state invariant that fails, as 'name: message'."""
+    return [f"{name}: {msg}" for name, pred in STATE_INVARIANTS.items() for msg in pred(s)]
+
+
+def check_scheduler(s: Scheduler) -> None:
+    """Raise `InvariantViolation` listing every failing invariant."""
+    found = violations(s)
+    if found:
+        raise InvariantViolation("; ".join(found))

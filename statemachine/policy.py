@@ -1,0 +1,310 @@
+"""Scheduling policies: the order of the waiting queue and the choice of victim.
+
+A policy owns the waiting queue, so it can keep whatever structure makes its
+order cheap (a heap for static keys, per-tenant queues for fairness). The
+scheduler only pushes, pops in order, removes, and asks for victims; a user
+policy implements `SchedulingPolicy` (or subclasses `KeyedPolicy`) and is
+selected with `policy="package.module:Class"`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import importlib
+import itertools
+from collections import deque
+from typing import Iterator, Protocol, Sequence, runtime_checkable
+
+from .config import SchedulerConfig
+from .errors import ConfigError
+from .fsm import RequestState
+from .request import Request
+
+
+@runtime_checkable
+class SchedulingPolicy(Protocol):
+    """What the scheduler needs from a policy.
+
+    Waiting order: `pop` returns the next waiting request to consider;
+    requests the scheduler could not admit are given back with `push`.
+    Within one priority class and tenant the order must be first-come
+    first-served (DESIGN §4 item 9).
+    """
+
+    name: str
+
+    def push(self, request: Request) -> None: ...
+    def pop(self) -> Request | None: ...
+    def remove(self, request: Request) -> None: ...
+    def __len__(self) -> int: ...
+    def ordered(self) -> list[Request]: ...
+    def victim(self, running: Sequence[Request]) -> Request: ...
+    def may_preempt(self, waiting: Request, running: Request) -> bool: ...
+    def on_scheduled(self, request: Request, num_tokens: int) -> None: ...
+    def on_tokens(self, request: Request, num_tokens: int) -> None: ...
+
+
+class KeyedPolicy:
+    """A policy whose waiting order is a static sort key per request.
+
+    Subclasses define `key`; the queue is a heap with lazy removal, so pop and
+    push cost O(log n) however many requests wait.
+    """
+
+    name = "keyed"
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.use_priority = config.enable_priority_scheduling
+        self._heap: list[tuple] = []
+        self._count = 0
+        self._seq = itertools.count(1)
+
+    def key(self, request: Request) -> tuple:
+        raise NotImplementedError
+
+    def push(self, request: Request) -> None:
+        seq = next(self._seq)
+        request.queue_seq = seq
+        heapq.heappush(self._heap, (self.key(request), seq, request))
+        self._count += 1
+
+    def pop(self) -> Request | None:
+        heap = self._heap
+        while heap:
+            _, seq, request = heapq.heappop(heap)
+            if request.queue_seq == seq:
+                request.queue_seq = 0
+                self._count -= 1
+                return request
+        return None
+
+    def remove(self, request: Request) -> None:
+        if request.queue_seq:
+            request.queue_seq = 0
+            self._count -= 1
+            if self._count == 0:
+                self._heap.clear()
+
+    def __len__(self) -> int:
+        return self._count
+
+    def ordered(self) -> list[Request]:
+        return [r for _, seq, r in sorted(self._heap, key=lambda e: (e[0], e[1])) if r.queue_seq == seq]
+
+    def victim(self, running: Sequence[Request]) -> Request:
+        """The lowest-priority running request that has the least computed work."""
+        if self.use_priority:
+            return max(running, key=lambda r: (r.priority, -r.num_computed_tokens, r.arrival_s))
+        return max(running, key=lambda r: (-r.num_computed_tokens, r.arrival_s))
+
+    def may_preempt(self, waiting: Request, running: Request) -> bool:
+        return False
+
+    def on_scheduled(self, request: Request, num_tokens: int) -> None:
+        pass
+
+    def on_tokens(self, request: Request, num_tokens: int) -> None:
+        pass
+
+
+class FcfsPolicy(KeyedPolicy):
+    """First come, first served; victims lose the least work."""
+
+    name = "fcfs"
+
+    def key(self, request: Request) -> tuple:
+        return (request.arrival_s,)
+
+    def victim(self, running: Sequence[Request]) -> Request:
+        return max(running, key=lambda r: (-r.num_computed_tokens, r.arrival_s))
+
+
+class PriorityPolicy(KeyedPolicy):
+    """Lower priority value first, aged: a request gains one level per `aging_s`
+    seconds waited, so its key priority * aging_s + arrival_s is static and no
+    request waits forever behind later arrivals. Strictly higher-priority waiting
+    requests may preempt running ones."""
+
+    name = "priority"
+
+    def key(self, request: Request) -> tuple:
+        if not self.use_priority:
+            return (request.arrival_s,)
+        return (request.priority * self.config.aging_s + request.arrival_s,)
+
+    def may_preempt(self, waiting: Request, running: Request) -> bool:
+        return (self.use_priority and self.config.preempt_for_priority
+                and waiting.priority < running.priority)
+
+
+class StrictPriorityPolicy(PriorityPolicy):
+    """Lower priority value first with no aging: low priorities can starve.
+    Kept so the model checker can show it finds starvation."""
+
+    name = "strict-priority"
+
+    def key(self, request: Request) -> tuple:
+        if not self.use_priority:
+            return (request.arrival_s,)
+        return (request.priority, request.arrival_s)
+
+
+class DeadlinePolicy(KeyedPolicy):
+    """Earliest deadline first; a request without a deadline gets arrival plus
+    `default_deadline_s`. Late requests keep their place (no starvation); with
+    `reject_late` the scheduler rejects waiting ones whose deadline has passed."""
+
+    name = "deadline"
+
+    def key(self, request: Request) -> tuple:
+        return (self.deadline_of(request), request.arrival_s)
+
+    def deadline_of(self, request: Request) -> float:
+        if request.deadline_s is not None:
+            return request.deadline_s
+        return request.arrival_s + self.config.default_deadline_s
+
+    def victim(self, running: Sequence[Request]) -> Request:
+        return max(running, key=lambda r: (self.deadline_of(r), -r.num_computed_tokens))
+
+
+class WeightedPolicy(KeyedPolicy):
+    """Ranks by priority_weight * priority + latency_weight * arrival_s +
+    throughput_weight * prompt tokens, lowest first."""
+
+    name = "weighted"
+
+    def key(self, request: Request) -> tuple:
+        c = self.config
+        prio = request.priority if self.use_priority else 0
+        return (c.priority_weight * prio + c.latency_weight * request.arrival_s
+                + c.throughput_weight * request.num_prompt_tokens, request.arrival_s)
+
+
+class FairPolicy:
+    """Per-tenant fairness with virtual token counters (VTC).
+
+    Each tenant's counter grows by the tokens served to it (prompt tokens times
+    `fair_input_weight`, generated tokens times `fair_output_weight`). The
+    tenant with the smallest counter among those waiting goes next, first come
+    first served within the tenant. A tenant that becomes active again is lifted
+    to the smallest counter of the active tenants, so idling banks no credit.
+    """
+
+    name = "fair"
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.counters: dict[str, float] = {}
+        self.queues: dict[str, deque[Request]] = {}
+        self.num_active: dict[str, int] = {}
+        self._count = 0
+        self._seq = itertools.count(1)
+
+    def push(self, request: Request) -> None:
+        queue = self.queues.get(request.tenant)
+        if queue is None:
+            queue = self.queues[request.tenant] = deque()
+        seq = request.queue_seq = next(self._seq)
+        if queue and queue[-1][1].arrival_s > request.arrival_s:
+            # A preempted request keeps its place by arrival: rebuild this tenant's queue.
+            live = [e for e in queue if e[1].queue_seq == e[0]]
+            live.append((seq, request))
+            live.sort(key=lambda e: (e[1].arrival_s, e[0]))
+            queue.clear()
+            queue.extend(live)
+        else:
+            queue.append((seq, request))
+        self._count += 1
+        self._activate(request)
+
+    def _activate(self, request: Request) -> None:
+        tenant = request.tenant
+        if self.num_active.get(tenant, 0) == 0:
+            active = [self.counters[t] for t, n in self.num_active.items() if n > 0 and t != tenant]
+            floor = min(active) if active else 0.0
+            self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
+        self.num_active[tenant] = self.num_active.get(tenant, 0) + 1
+
+    def _deactivate(self, request: Request) -> None:
+        self.num_active[request.tenant] -= 1
+
+    def pop(self) -> Request | None:
+        best, best_counter = None, 0.0
+        for tenant, queue in self.queues.items():
+            while queue and queue[0][1].queue_seq != queue[0][0]:
+                queue.popleft()
+            if queue and (best is None or self.counters[tenant] < best_counter):
+                best, best_counter = queue, self.counters[tenant]
+        if best is None:
+            return None
+        _, request = best.popleft()
+        request.queue_seq = 0
+        self._count -= 1
+        self._deactivate(request)
+        return request
+
+    def remove(self, request: Request) -> None:
+        if request.queue_seq:
+            request.queue_seq = 0
+            self._count -= 1
+            self._deactivate(request)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def ordered(self) -> list[Request]:
+        out = []
+        for queue in self.queues.values():
+            out.extend(r for seq, r in queue if r.queue_seq == seq)
+        return sorted(out, key=lambda r: (self.counters[r.tenant], r.arrival_s))
+
+    def victim(self, running: Sequence[Request]) -> Request:
+        return max(running, key=lambda r: (self.counters.get(r.tenant, 0.0), -r.num_computed_tokens))
+
+    def may_preempt(self, waiting: Request, running: Request) -> bool:
+        return False
+
+    def on_scheduled(self, request: Request, num_tokens: int) -> None:
+        # Only prompt tokens are charged here; generated ones in on_tokens.
+        prompt_left = request.num_prompt_tokens - request.num_computed_tokens
+        if prompt_left > 0:
+            self.counters[request.tenant] = (
+                self.counters.get(request.tenant, 0.0)
+                + min(prompt_left, num_tokens) * self.config.fair_input_weight)
+
+    def on_tokens(self, request: Request, num_tokens: int) -> None:
+        self.counters[request.tenant] = (
+            self.counters.get(request.tenant, 0.0) + num_tokens * self.config.fair_output_weight)
+
+
+POLICIES: dict[str, type] = {
+    "fcfs": FcfsPolicy,
+    "priority": PriorityPolicy,
+    "strict-priority": StrictPriorityPolicy,
+    "deadline": DeadlinePolicy,
+    "fair": FairPolicy,
+    "weighted": WeightedPolicy,
+}
+
+
+def make_policy(config: SchedulerConfig) -> SchedulingPolicy:
+    """Build the policy `config.policy` names (a built-in name or 'module:Class')."""
+    name = config.policy
+    cls = POLICIES.get(name)
+    if cls is None:
+        module_name, _, attr = name.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(f"policy {name!r} cannot be loaded: {exc}") from None
+    policy = cls(config)
+    if not isinstance(policy, SchedulingPolicy):
+        raise ConfigError(f"policy {name!r} does not implement SchedulingPolicy")
+    return policy
+
+
+def waiting_requests(policy: SchedulingPolicy) -> Iterator[Request]:
+    """The waiting requests in policy order (for checks and tests, O(n log n))."""
+    return iter(r for r in policy.ordered() if r.state is RequestState.PENDING)

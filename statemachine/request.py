@@ -1,0 +1,126 @@
+"""The request record the scheduling core keeps for each request."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import attrs
+
+from .errors import InvalidRequestError
+from .fsm import FinishReason, RequestFSM, RequestState
+
+
+def _non_negative(field: str, value: int) -> None:
+    if value < 0:
+        raise InvalidRequestError(f"{field} must be >= 0, got {value}")
+
+
+@attrs.frozen
+class SamplingLimits:
+    """The part of the sampling parameters the core needs to decide when to stop.
+
+    `eos_token_ids` end a request unless `ignore_eos`; `stop_token_ids` always
+    do. Neither ends it before `min_tokens` tokens have been generated.
+    """
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    eos_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=frozenset)
+    stop_token_ids: frozenset[int] = attrs.field(default=frozenset(), converter=frozenset)
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        _non_negative("min_tokens", self.min_tokens)
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+
+
+class Request:
+    """One request as the core sees it: identity, limits, progress and state.
+
+    `arrival_s` and `deadline_s` are given by the caller; the core never reads a
+    clock. `num_computed_tokens` counts tokens whose KV is in the cache or is
+    being written by the step just planned.
+    """
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "limits", "priority", "tenant", "deadline_s",
+        "arrival_s", "cache_salt", "fsm", "output_token_ids", "all_token_ids",
+        "num_prompt_tokens", "num_computed_tokens", "num_preemptions", "block_hashes",
+        "num_skips", "queue_seq", "first_scheduled_s", "num_cached_tokens",
+        "stop_token_set", "finish_detail",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        limits: SamplingLimits | None = None,
+        *,
+        priority: int = 0,
+        tenant: str = "default",
+        deadline_s: float | None = None,
+        arrival_s: float = 0.0,
+        cache_salt: str | None = None,
+    ) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id must be a non-empty string")
+        if len(prompt_token_ids) == 0:
+            raise InvalidRequestError("prompt_token_ids must hold at least one token")
+        self.request_id = request_id
+        self.prompt_token_ids = tuple(prompt_token_ids)
+        self.limits = limits if limits is not None else SamplingLimits()
+        self.priority = priority
+        self.tenant = tenant
+        self.deadline_s = deadline_s
+        self.arrival_s = arrival_s
+        self.cache_salt = cache_salt
+        self.fsm = RequestFSM(request_id)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.block_hashes: list[int] = []
+        self.num_skips = 0
+        self.queue_seq = 0
+        self.first_scheduled_s: float | None = None
+        self.num_cached_tokens = 0
+        limits = self.limits
+        stops = set(limits.stop_token_ids)
+        if not limits.ignore_eos:
+            stops |= limits.eos_token_ids
+        self.stop_token_set = frozenset(stops)
+        self.finish_detail = ""
+
+    @property
+    def state(self) -> RequestState:
+        return self.fsm.state
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.fsm.finish_reason
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.fsm.state is RequestState.COMPLETED
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.fsm.state.value}, prompt={self.num_prompt_tokens}, "
+            f"out={len(self.output_token_ids)}, computed={self.num_computed_tokens}, "
+            f"prio={self.priority}, tenant={self.tenant!r})"
+        )

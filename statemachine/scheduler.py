@@ -1,0 +1,458 @@
+"""The continuous-batching scheduler: the single authority over request state,
+KV blocks and budgets.
+
+Each step is one decision `{request_id: num_tokens}` under the token budget:
+running requests first (a decode token, or the next prefill chunk), then waiting
+requests in policy order, prefix-cache hits counted as computed. `schedule()`
+advances `num_computed_tokens` at once, so the next step can be planned before
+the previous result arrives; a request whose sampled token is still in flight
+is simply not scheduled until `update()` delivers it.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from .blocks import BlockManager
+from .config import CacheConfig, SchedulerConfig
+from .errors import (
+    DuplicateRequestError, QueueFullError, RequestNotFoundError, RequestTooLongError,
+)
+from .fsm import FinishReason, RequestEventKind, RequestState
+from .plan import NewRequestData, RequestEvent, StepPlan, StepResult
+from .policy import SchedulingPolicy, make_policy
+from .request import Request
+from .stats import StatsCollector, StatsSummary
+
+RUNNING = RequestState.RUNNING
+PENDING = RequestState.PENDING
+E = RequestEventKind
+
+
+class Scheduler:
+    """Pure, synchronous scheduling core. Time enters only as arguments."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig | None = None,
+        cache_config: CacheConfig | None = None,
+        policy: SchedulingPolicy | str | None = None,
+    ) -> None:
+        self.config = config = config if config is not None else SchedulerConfig()
+        self.cache_config = cache = cache_config if cache_config is not None else CacheConfig()
+        if isinstance(policy, str):
+            self.config = config = attrs.evolve(config, policy=policy)
+            policy = None
+        self.policy: SchedulingPolicy = policy if policy is not None else make_policy(config)
+        self.blocks = BlockManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.running: list[Request] = []
+        self.step_id = 0
+        self.now_s = 0.0
+        self.collector = StatsCollector()
+        self.num_resume_hit_tokens = 0
+        self._watermark_blocks = int(config.admission_watermark * cache.num_blocks)
+        self._finished_ids: list[str] = []
+        self._events: list[RequestEvent] = []
+        self._inflight: dict[int, StepPlan] = {}
+        self._deadline_of = getattr(self.policy, "deadline_of", None)
+        self._checker = None
+        if config.debug_checks:
+            from .invariants import check_scheduler
+            self._checker = check_scheduler
+
+    # ---- queries ---------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.policy)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self.requests)
+
+    def get_request(self, request_id: str) -> Request:
+        try:
+            return self.requests[request_id]
+        except KeyError:
+            raise RequestNotFoundError(f"no live request with id {request_id!r}") from None
+
+    # ---- requests in and out ---------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raise if it is a duplicate, too long, or the queue is full."""
+        rid = request.request_id
+        if rid in self.requests:
+            raise DuplicateRequestError(f"request_id {rid!r} is already live")
+        if request.state is not PENDING or request.num_computed_tokens or request.output_token_ids:
+            raise DuplicateRequestError(f"request {rid!r} has already been scheduled once")
+        config = self.config
+        total = request.num_prompt_tokens + request.limits.max_tokens
+        if total > config.max_model_len:
+            raise RequestTooLongError(
+                f"request {rid!r}: prompt has {request.num_prompt_tokens} tokens and max_tokens is "
+                f"{request.limits.max_tokens}, {total} in all; max_model_len is {config.max_model_len}"
+            )
+        num_needed = self.blocks.blocks_for(total)
+        if num_needed > self.cache_config.num_blocks:
+            raise RequestTooLongError(
+                f"request {rid!r}: {total} tokens need {num_needed} KV blocks of "
+                f"{self.cache_config.block_size}; the cache has {self.cache_config.num_blocks}"
+            )
+        if len(self.policy) >= config.max_waiting:
+            raise QueueFullError(
+                f"waiting queue holds {len(self.policy)} requests; max_waiting is {config.max_waiting}"
+            )
+        self.requests[rid] = request
+        self.policy.push(request)
+        self.collector.num_requests_added += 1
+        self.collector.saw_time(request.arrival_s)
+        self._check()
+
+    def abort_request(self, request_id: str, detail: str = "aborted") -> RequestEvent:
+        """Finish a live request as aborted and free its blocks at once."""
+        request = self.get_request(request_id)
+        event = self._complete(request, E.ABORT, FinishReason.ABORT, detail)
+        if request in self.running:
+            self.running.remove(request)
+        self._check()
+        return event
+
+    def fail_request(self, request_id: str, detail: str) -> RequestEvent:
+        """Finish a live request with an error (for example a failed executor step)."""
+        request = self.get_request(request_id)
+        event = self._complete(request, E.FAIL, FinishReason.ERROR, detail)
+        if request in self.running:
+            self.running.remove(request)
+        self._check()
+        return event
+
+    def executor_lost(self) -> list[RequestEvent]:
+        """The executor died: running requests go back to waiting to be recomputed,
+        plans in flight are void, and the prefix cache is forgotten."""
+        events = []
+        for request in self.running:
+            request.fsm.fire(E.EXECUTOR_LOST)
+            self.blocks.free(request.request_id)
+            self.collector.num_recompute_tokens += request.num_computed_tokens
+            request.num_computed_tokens = 0
+            self.policy.push(request)
+            events.append(RequestEvent(request.request_id, E.EXECUTOR_LOST))
+        self.running = []
+        self._inflight.clear()
+        self._finished_ids.clear()
+        self.blocks.reset_prefix_cache()
+        self._check()
+        return self.take_events() + events
+
+    def take_events(self) -> list[RequestEvent]:
+        """Events produced by `schedule()` (admissions, preemptions, rejections)
+        not yet returned; `update()` returns them first as well."""
+        events, self._events = self._events, []
+        return events
+
+    # ---- one step --------------------------------------------------------------
+    def schedule(self, now_s: float | None = None) -> StepPlan:
+        """Decide the next step. `now_s` is the caller's clock (default: the step number)."""
+        config, blocks, policy = self.config, self.blocks, self.policy
+        step_id = self.step_id
+        self.step_id += 1
+        self.now_s = now_s = float(step_id) if now_s is None else now_s
+        self.collector.saw_time(now_s)
+        budget = config.max_num_batched_tokens
+        seats = config.batch_size_limit
+        threshold = config.long_prefill_token_threshold
+        scheduled: dict[str, int] = {}
+        new_block_ids: dict[str, list[int]] = {}
+        preempted: list[Request] = []
+
+        # 1. Running requests: decode tokens and the next chunks of prefills.
+        for request in list(self.running):
+            if budget <= 0 or len(scheduled) >= seats:
+                break
+            if request.fsm.state is not RUNNING:
+                continue  # preempted earlier in this loop
+            n = request.num_tokens - request.num_computed_tokens
+            if n <= 0:
+                continue  # its sampled token is still in flight
+            if n > budget:
+                n = budget
+            if threshold and n > threshold:
+                n = threshold
+            rid = request.request_id
+            new = blocks.grow(rid, request.num_computed_tokens + n)
+            while new is None:
+                victim = policy.victim(self.running)
+                budget += self._preempt(victim, scheduled, new_block_ids, preempted)
+                if victim is request:
+                    break
+                new = blocks.grow(rid, request.num_computed_tokens + n)
+            if new is None:
+                continue
+            if new:
+                new_block_ids[rid] = new
+            scheduled[rid] = n
+            budget -= n
+
+        # 2. Waiting requests, in policy order, skipping those that do not fit.
+        new_requests: list[NewRequestData] = []
+        if budget > 0 and len(scheduled) < seats and len(policy):
+            budget = self._admit(budget, seats, scheduled, new_requests, preempted,
+                                 new_block_ids, threshold)
+
+        # 3. Advance progress and build the plan.
+        total = 0
+        requests = self.requests
+        for rid, n in scheduled.items():
+            request = requests[rid]
+            policy.on_scheduled(request, n)
+            request.num_computed_tokens += n
+            total += n
+        if config.enable_batch_sorting and scheduled:
+            scheduled = self._sorted_batch(scheduled)
+        finished_ids, self._finished_ids = self._finished_ids, []
+        plan = StepPlan(
+            step_id=step_id,
+            num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=total,
+            new_requests=new_requests,
+            new_block_ids=new_block_ids,
+            preempted_ids=[r.request_id for r in preempted if r.fsm.state is PENDING],
+            finished_ids=finished_ids,
+            resumed_ids=[d.request_id for d in new_requests if d.resumed],
+        )
+        collector = self.collector
+        if scheduled:
+            collector.num_batches_scheduled += 1
+            collector.batch_sizes[len(scheduled)] += 1
+            collector.num_scheduled_requests += len(scheduled)
+            collector.num_scheduled_tokens += total
+            self._inflight[step_id] = plan
+        self._check()
+        return plan
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[RequestEvent]:
+        """Apply the executor's result for `plan`: append tokens, apply stop
+        conditions, finish requests and free their blocks. A result for a plan
+        that is not in flight (stale or duplicated) changes nothing."""
+        events = self.take_events()
+        if result.step_id != plan.step_id or self._inflight.pop(plan.step_id, None) is not plan:
+            return events
+        blocks, requests, policy = self.blocks, self.requests, self.policy
+        caching = blocks.enable_prefix_caching
+        block_size, num_hashed = blocks.block_size, blocks.num_hashed
+        max_model_len = self.config.max_model_len
+        sampled = result.sampled_token_ids
+        num_generated = 0
+        any_finished = False
+        for rid in plan.num_scheduled_tokens:
+            request = requests.get(rid)
+            if request is None or request.fsm.state is not RUNNING:
+                continue
+            if caching and request.num_computed_tokens // block_size > num_hashed[rid]:
+                blocks.cache_full_blocks(request, request.num_computed_tokens)
+            tokens = sampled.get(rid)
+            if not tokens or request.num_computed_tokens < request.num_tokens:
+                continue
+            limits = request.limits
+            output, all_ids, stop_set = request.output_token_ids, request.all_token_ids, request.stop_token_set
+            reason = None
+            taken = 0
+            for token in tokens:
+                output.append(token)
+                all_ids.append(token)
+                taken += 1
+                n_out = len(output)
+                if token in stop_set and n_out >= limits.min_tokens:
+                    reason = FinishReason.STOP
+                    break
+                if n_out >= limits.max_tokens or len(all_ids) >= max_model_len:
+                    reason = FinishReason.LENGTH
+                    break
+            num_generated += taken
+            policy.on_tokens(request, taken)
+            new_tokens = tokens if taken == len(tokens) else tokens[:taken]
+            if reason is None:
+                events.append(RequestEvent(rid, None, new_tokens))
+            else:
+                event = self._complete(request, E.FINISH, reason, "")
+                event.token_ids = new_tokens
+                events.append(event)
+                any_finished = True
+        if any_finished:
+            self.running = [r for r in self.running if r.fsm.state is RUNNING]
+        self.collector.num_tokens_generated += num_generated
+        self._check()
+        return events
+
+    def stats(self) -> StatsSummary:
+        """A snapshot of the counters; rates use the times the caller passed in."""
+        c = self.collector
+        elapsed = c.elapsed_s
+        completed = c.num_requests_completed
+        return StatsSummary(
+            num_requests_added=c.num_requests_added,
+            num_batches_scheduled=c.num_batches_scheduled,
+            num_requests_completed=completed,
+            completed_by_reason=dict(c.completed_by_reason),
+            total_wait_s=c.total_wait_s,
+            avg_wait_s=c.total_wait_s / c.num_waits if c.num_waits else 0.0,
+            num_tokens_generated=c.num_tokens_generated,
+            tokens_per_s=c.num_tokens_generated / elapsed if elapsed > 0 else 0.0,
+            requests_per_s=completed / elapsed if elapsed > 0 else 0.0,
+            avg_batch_size=(c.num_scheduled_requests / c.num_batches_scheduled
+                            if c.num_batches_scheduled else 0.0),
+            batch_size_distribution=dict(c.batch_sizes),
+            elapsed_s=elapsed,
+            num_scheduled_tokens=c.num_scheduled_tokens,
+            num_preemptions=c.num_preemptions,
+            num_recompute_tokens=c.num_recompute_tokens,
+            num_prefix_query_tokens=self.blocks.num_query_tokens,
+            num_prefix_hit_tokens=self.blocks.num_hit_tokens,
+            prefix_hit_rate=(self.blocks.num_hit_tokens / self.blocks.num_query_tokens
+                             if self.blocks.num_query_tokens else 0.0),
+            kv_usage=self.blocks.usage,
+            num_running=len(self.running),
+            num_waiting=len(self.policy),
+        )
+
+    # ---- internals -------------------------------------------------------------
+    def _admit(self, budget, seats, scheduled, new_requests, preempted, new_block_ids, threshold):
+        config, blocks, policy = self.config, self.blocks, self.policy
+        block_size = blocks.block_size
+        max_seqs = config.max_num_seqs
+        skip_limit = config.starvation_skip_limit
+        lookahead = config.max_lookahead
+        chunking = config.enable_chunked_prefill
+        put_back: list[Request] = []
+        blocked: list[tuple[Request, int]] = []
+        num_admitted = 0
+        while budget > 0 and len(scheduled) < seats:
+            request = policy.pop()
+            if request is None:
+                break
+            put_back.append(request)
+            if request in preempted:
+                continue  # not readmitted in the step that preempted it
+            if config.reject_late and self._is_late(request):
+                put_back.pop()
+                self._events.append(self._complete(request, E.REJECT, FinishReason.REJECTED,
+                                                   "deadline passed before admission"))
+                continue
+            if len(self.running) >= max_seqs and not self._preempt_for(
+                    request, scheduled, new_block_ids, preempted):
+                break
+            hits = blocks.find_cached_prefix(request)
+            num_cached = len(hits) * block_size
+            n = request.num_tokens - num_cached
+            if not chunking and n > budget:
+                fits = False
+            else:
+                reserve = self._watermark_blocks if self.running else 0
+                fits = blocks.allocate(request.request_id, hits, request.num_tokens, reserve)
+                while not fits and self._preempt_for(request, scheduled, new_block_ids, preempted):
+                    budget = config.max_num_batched_tokens - sum(scheduled.values())
+                    reserve = self._watermark_blocks if self.running else 0
+                    fits = blocks.allocate(request.request_id, hits, request.num_tokens, reserve)
+            if not fits:
+                if request.num_skips >= skip_limit:
+                    break  # it has waited long enough: hold capacity for it
+                blocked.append((request, num_admitted))
+                if len(blocked) > lookahead:
+                    break
+                continue
+            put_back.pop()
+            if n > budget:
+                n = budget
+            if threshold and n > threshold:
+                n = threshold
+            self._start(request, num_cached, hits)
+            new_requests.append(NewRequestData(
+                request.request_id, list(request.all_token_ids), request.num_prompt_tokens,
+                list(blocks.tables[request.request_id]), num_cached, request.num_preemptions > 0))
+            scheduled[request.request_id] = n
+            budget -= n
+            num_admitted += 1
+        for request in put_back:
+            policy.push(request)
+        for request, mark in blocked:
+            if num_admitted > mark:
+                request.num_skips += 1
+        return budget
+
+    def _start(self, request: Request, num_cached: int, hits: list[int]) -> None:
+        request.fsm.fire(E.ADMIT)
+        request.num_computed_tokens = num_cached
+        request.num_skips = 0
+        self.running.append(request)
+        if request.num_preemptions:
+            self.num_resume_hit_tokens += num_cached
+        else:
+            self.blocks.record_lookup(request.num_tokens, num_cached)
+            request.num_cached_tokens = num_cached
+        if request.first_scheduled_s is None:
+            request.first_scheduled_s = self.now_s
+            self.collector.total_wait_s += max(0.0, self.now_s - request.arrival_s)
+            self.collector.num_waits += 1
+        self._events.append(RequestEvent(request.request_id, E.ADMIT))
+
+    def _preempt_for(self, waiting: Request, scheduled, new_block_ids, preempted) -> bool:
+        """Preempt a running request of strictly lower priority than `waiting`, if any."""
+        candidates = [r for r in self.running if self.policy.may_preempt(waiting, r)]
+        if not candidates:
+            return False
+        self._preempt(self.policy.victim(candidates), scheduled, new_block_ids, preempted)
+        return True
+
+    def _preempt(self, victim: Request, scheduled, new_block_ids, preempted) -> int:
+        """Send a running request back to waiting; return the budget it gives back."""
+        rid = victim.request_id
+        returned = scheduled.pop(rid, 0)
+        new_block_ids.pop(rid, None)
+        victim.fsm.fire(E.PREEMPT)
+        self.running.remove(victim)
+        self.blocks.free(rid)
+        self.collector.num_preemptions += 1
+        self.collector.num_recompute_tokens += victim.num_computed_tokens
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.policy.push(victim)
+        preempted.append(victim)
+        self._events.append(RequestEvent(rid, E.PREEMPT))
+        return returned
+
+    def _complete(self, request: Request, kind: RequestEventKind, reason: FinishReason,
+                  detail: str) -> RequestEvent:
+        """Move a request to Completed, free its blocks, and tell the executor."""
+        was_running = request.fsm.state is RUNNING
+        if request.fsm.state is PENDING:
+            self.policy.remove(request)
+        request.fsm.fire(kind, reason)
+        request.finish_detail = detail
+        rid = request.request_id
+        self.blocks.free(rid)
+        del self.requests[rid]
+        if was_running:
+            self._finished_ids.append(rid)
+        self.collector.num_requests_completed += 1
+        self.collector.completed_by_reason[reason.value] += 1
+        return RequestEvent(rid, kind, (), reason, detail)
+
+    def _is_late(self, request: Request) -> bool:
+        deadline_of = self._deadline_of
+        return deadline_of is not None and deadline_of(request) < self.now_s
+
+    def _sorted_batch(self, scheduled: dict[str, int]) -> dict[str, int]:
+        requests = self.requests
+        def key(rid: str) -> tuple:
+            n = scheduled[rid]
+            decode = n == 1 and requests[rid].num_computed_tokens > requests[rid].num_prompt_tokens
+            return (0, 0) if decode else (1, -n)
+        return {rid: scheduled[rid] for rid in sorted(scheduled, key=key)}
+
+    def _check(self) -> None:
+        if self._checker is not None:
+            self._checker(self)
+
