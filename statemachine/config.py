@@ -88,6 +88,8 @@ class SchedulerConfig:
         lower priority.
       admission_watermark: fraction of blocks kept free when admitting, so running
         requests can grow without immediate preemption.
+      admission_headroom_steps: also keep free, when admitting, the blocks the running
+        requests fill in this many decode steps (0: the watermark alone).
 
     Shell
       schedule_interval_us: the scheduler actor waits at least this long between
@@ -114,9 +116,10 @@ class SchedulerConfig:
     throughput_weight: float = 0.0
     enable_batch_sorting: bool = False
     starvation_skip_limit: int = attrs.field(default=32, validator=_at_least(0))
-    max_lookahead: int = attrs.field(default=64, validator=_at_least(0))
+    max_lookahead: int = attrs.field(default=4, validator=_at_least(0))
     preempt_for_priority: bool = True
     admission_watermark: float = attrs.field(default=0.01, validator=_fraction)
+    admission_headroom_steps: int = attrs.field(default=16, validator=_at_least(0))
     schedule_interval_us: int = attrs.field(default=0, validator=_at_least(0))
     debug_checks: bool = False
 

@@ -32,6 +32,8 @@ class SchedulingPolicy(Protocol):
     """
 
     name: str
+    preempts_running: bool
+    charges_tokens: bool
 
     def push(self, request: Request) -> None: ...
     def pop(self) -> Request | None: ...
@@ -52,6 +54,10 @@ class KeyedPolicy:
     """
 
     name = "keyed"
+    #: Whether `may_preempt` can ever be true; lets the scheduler skip the scan.
+    preempts_running = False
+    #: Whether `on_scheduled` / `on_tokens` do anything; lets the scheduler skip them.
+    charges_tokens = False
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
@@ -127,6 +133,7 @@ class PriorityPolicy(KeyedPolicy):
     requests may preempt running ones."""
 
     name = "priority"
+    preempts_running = True
 
     def key(self, request: Request) -> tuple:
         if not self.use_priority:
@@ -193,6 +200,8 @@ class FairPolicy:
     """
 
     name = "fair"
+    preempts_running = False
+    charges_tokens = True
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config

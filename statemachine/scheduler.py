@@ -57,6 +57,10 @@ class Scheduler:
         self._inflight: dict[int, StepPlan] = {}
         self._deadline_of = getattr(self.policy, "deadline_of", None)
         self._checker = None
+        # Admission memo: a pass that admitted nothing is not repeated until the
+        # queue changes or blocks are freed (it would fail the same way).
+        self._queue_version = 0
+        self._failed_admission: tuple[int, int] | None = None
         if config.debug_checks:
             from .invariants import check_scheduler
             self._checker = check_scheduler
@@ -107,6 +111,7 @@ class Scheduler:
             )
         self.requests[rid] = request
         self.policy.push(request)
+        self._queue_version += 1
         self.collector.num_requests_added += 1
         self.collector.saw_time(request.arrival_s)
         self._check()
@@ -139,6 +144,7 @@ class Scheduler:
             self.collector.num_recompute_tokens += request.num_computed_tokens
             request.num_computed_tokens = 0
             self.policy.push(request)
+            self._queue_version += 1
             events.append(RequestEvent(request.request_id, E.EXECUTOR_LOST))
         self.running = []
         self._inflight.clear()
@@ -167,6 +173,7 @@ class Scheduler:
         scheduled: dict[str, int] = {}
         new_block_ids: dict[str, list[int]] = {}
         preempted: list[Request] = []
+        tables, block_size = blocks.tables, blocks.block_size
 
         # 1. Running requests: decode tokens and the next chunks of prefills.
         for request in list(self.running):
@@ -174,7 +181,7 @@ class Scheduler:
                 break
             if request.fsm.state is not RUNNING:
                 continue  # preempted earlier in this loop
-            n = request.num_tokens - request.num_computed_tokens
+            n = len(request.all_token_ids) - request.num_computed_tokens
             if n <= 0:
                 continue  # its sampled token is still in flight
             if n > budget:
@@ -182,6 +189,10 @@ class Scheduler:
             if threshold and n > threshold:
                 n = threshold
             rid = request.request_id
+            if request.num_computed_tokens + n <= len(tables[rid]) * block_size:
+                scheduled[rid] = n
+                budget -= n
+                continue
             new = blocks.grow(rid, request.num_computed_tokens + n)
             while new is None:
                 victim = policy.victim(self.running)
@@ -198,16 +209,23 @@ class Scheduler:
 
         # 2. Waiting requests, in policy order, skipping those that do not fit.
         new_requests: list[NewRequestData] = []
-        if budget > 0 and len(scheduled) < seats and len(policy):
+        failed = self._failed_admission
+        reserve = self._admission_reserve()
+        if failed is not None and failed[0] == self._queue_version \
+                and blocks.num_free_blocks - reserve < failed[1]:
+            pass  # same queue and still too few free blocks: the last pass's failure stands
+        elif budget > 0 and len(scheduled) < seats and len(policy):
             budget = self._admit(budget, seats, scheduled, new_requests, preempted,
                                  new_block_ids, threshold)
 
         # 3. Advance progress and build the plan.
         total = 0
         requests = self.requests
+        charge = policy.on_scheduled if getattr(policy, "charges_tokens", True) else None
         for rid, n in scheduled.items():
             request = requests[rid]
-            policy.on_scheduled(request, n)
+            if charge is not None:
+                charge(request, n)
             request.num_computed_tokens += n
             total += n
         if config.enable_batch_sorting and scheduled:
@@ -245,6 +263,7 @@ class Scheduler:
         block_size, num_hashed = blocks.block_size, blocks.num_hashed
         max_model_len = self.config.max_model_len
         sampled = result.sampled_token_ids
+        charge = policy.on_tokens if getattr(policy, "charges_tokens", True) else None
         num_generated = 0
         any_finished = False
         for rid in plan.num_scheduled_tokens:
@@ -254,7 +273,7 @@ class Scheduler:
             if caching and request.num_computed_tokens // block_size > num_hashed[rid]:
                 blocks.cache_full_blocks(request, request.num_computed_tokens)
             tokens = sampled.get(rid)
-            if not tokens or request.num_computed_tokens < request.num_tokens:
+            if not tokens or request.num_computed_tokens < len(request.all_token_ids):
                 continue
             limits = request.limits
             output, all_ids, stop_set = request.output_token_ids, request.all_token_ids, request.stop_token_set
@@ -272,7 +291,8 @@ class Scheduler:
                     reason = FinishReason.LENGTH
                     break
             num_generated += taken
-            policy.on_tokens(request, taken)
+            if charge is not None:
+                charge(request, taken)
             new_tokens = tokens if taken == len(tokens) else tokens[:taken]
             if reason is None:
                 events.append(RequestEvent(rid, None, new_tokens))
@@ -328,8 +348,12 @@ class Scheduler:
         chunking = config.enable_chunked_prefill
         put_back: list[Request] = []
         blocked: list[tuple[Request, int]] = []
+        min_need = blocks.num_blocks + 1
         num_admitted = 0
         while budget > 0 and len(scheduled) < seats:
+            if blocks.num_free_blocks <= (self._admission_reserve()) \
+                    and not getattr(policy, "preempts_running", True):
+                break  # every admission needs at least one fresh block
             request = policy.pop()
             if request is None:
                 break
@@ -350,13 +374,17 @@ class Scheduler:
             if not chunking and n > budget:
                 fits = False
             else:
-                reserve = self._watermark_blocks if self.running else 0
+                reserve = self._admission_reserve()
                 fits = blocks.allocate(request.request_id, hits, request.num_tokens, reserve)
-                while not fits and self._preempt_for(request, scheduled, new_block_ids, preempted):
+                num_needed = blocks.blocks_for(request.num_tokens) - len(hits) + reserve
+                while not fits and self._preempt_for(request, scheduled, new_block_ids, preempted,
+                                                     num_needed):
                     budget = config.max_num_batched_tokens - sum(scheduled.values())
-                    reserve = self._watermark_blocks if self.running else 0
+                    reserve = self._admission_reserve()
                     fits = blocks.allocate(request.request_id, hits, request.num_tokens, reserve)
             if not fits:
+                min_need = min(min_need, blocks.blocks_for(request.num_tokens) - len(hits)
+                               + sum(1 for b in hits if b in blocks.evictable))
                 if request.num_skips >= skip_limit:
                     break  # it has waited long enough: hold capacity for it
                 blocked.append((request, num_admitted))
@@ -377,10 +405,23 @@ class Scheduler:
             num_admitted += 1
         for request in put_back:
             policy.push(request)
+        if num_admitted == 0 and min_need <= blocks.num_blocks and len(self.running) < max_seqs:
+            self._failed_admission = (self._queue_version, min_need)
+        else:
+            self._failed_admission = None
         for request, mark in blocked:
             if num_admitted > mark:
                 request.num_skips += 1
         return budget
+
+    def _admission_reserve(self) -> int:
+        """Blocks admission leaves free so running requests can keep growing: the
+        watermark, or about `admission_headroom_steps` tokens per running request."""
+        running = self.running
+        if not running:
+            return 0
+        headroom = -(-len(running) * self.config.admission_headroom_steps // self.blocks.block_size)
+        return max(self._watermark_blocks, headroom)
 
     def _start(self, request: Request, num_cached: int, hits: list[int]) -> None:
         request.fsm.fire(E.ADMIT)
@@ -398,12 +439,22 @@ class Scheduler:
             self.collector.num_waits += 1
         self._events.append(RequestEvent(request.request_id, E.ADMIT))
 
-    def _preempt_for(self, waiting: Request, scheduled, new_block_ids, preempted) -> bool:
-        """Preempt a running request of strictly lower priority than `waiting`, if any."""
-        candidates = [r for r in self.running if self.policy.may_preempt(waiting, r)]
+    def _preempt_for(self, waiting: Request, scheduled, new_block_ids, preempted,
+                     num_blocks_needed: int = 0) -> bool:
+        """Preempt a running request the policy lets `waiting` displace, if any, and
+        only if displacing all such requests could make room for `waiting`."""
+        policy = self.policy
+        if not getattr(policy, "preempts_running", True):
+            return False
+        candidates = [r for r in self.running if policy.may_preempt(waiting, r)]
         if not candidates:
             return False
-        self._preempt(self.policy.victim(candidates), scheduled, new_block_ids, preempted)
+        if num_blocks_needed:
+            tables = self.blocks.tables
+            held = sum(len(tables[r.request_id]) for r in candidates)
+            if held + self.blocks.num_free_blocks < num_blocks_needed:
+                return False
+        self._preempt(policy.victim(candidates), scheduled, new_block_ids, preempted)
         return True
 
     def _preempt(self, victim: Request, scheduled, new_block_ids, preempted) -> int:
@@ -419,6 +470,7 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.policy.push(victim)
+        self._queue_version += 1
         preempted.append(victim)
         self._events.append(RequestEvent(rid, E.PREEMPT))
         return returned
