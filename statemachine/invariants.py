@@ -122,14 +122,16 @@ def queues_partition(s: Scheduler) -> list[str]:
 
 
 def limits_respected(s: Scheduler) -> list[str]:
-    """§4.7 and §4.8 on the current state: running <= max_num_seqs, waiting <=
-    max_waiting, no request past max_model_len or its max_tokens."""
+    """§4.7 and §4.8 on the current state: running <= max_num_seqs, live <=
+    max_waiting + max_num_seqs, no request past max_model_len or its max_tokens."""
     c = s.config
     out = []
     if len(s.running) > c.max_num_seqs:
         out.append(f"{len(s.running)} running > max_num_seqs {c.max_num_seqs}")
-    if len(s.policy) > c.max_waiting:
-        out.append(f"{len(s.policy)} waiting > max_waiting {c.max_waiting}")
+    # max_waiting bounds admissions to the queue; requests sent back by preemption or
+    # executor loss may exceed it, but never by more than the running limit.
+    if len(s.requests) > c.max_waiting + c.max_num_seqs:
+        out.append(f"{len(s.requests)} live > max_waiting {c.max_waiting} + max_num_seqs {c.max_num_seqs}")
     for req in s.requests.values():
         if req.num_tokens > c.max_model_len:
             out.append(f"{req.request_id!r} has {req.num_tokens} tokens > max_model_len")
