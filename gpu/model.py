@@ -1,0 +1,236 @@
+"""One implementation of the Llama family: Llama 2/3, Mistral, Qwen2, Qwen3.
+
+Module and parameter names follow the Hugging Face checkpoints
+(`model.layers.N.self_attn.q_proj.weight`, ...), so weights load by name, one
+tensor at a time. Projections stay separate (q/k/v/o, gate/up/down) and head
+counts come from the config, so a tensor-parallel variant can shard each
+module along its own dimension.
+
+The forward pass takes the flattened tokens of a whole step (prefill chunks and
+decodes together) and the paged KV cache; attention goes through a pluggable
+`AttentionBackend`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .attention import AttentionBackend, AttentionMetadata
+from .config import ModelConfig, RopeScaling
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+INIT_STD = 0.02
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square normalisation over the last dimension, computed in float32."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None, device=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise `x` and scale by the learned weight."""
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Rotary inverse frequencies [head_dim / 2] in float32, rescaled as the checkpoint asks."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: wavelengths longer than the original context are stretched by
+    # `factor`, shorter than original/high_freq_factor kept, the band between
+    # interpolated smoothly.
+    old_len = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    stretched = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * stretched / scaling.factor + smooth * stretched
+    in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(in_band, blended, stretched)
+
+
+class RotaryEmbedding(nn.Module):
+    """Cosine and sine tables for given positions, in the rotate-half layout."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None) -> None:
+        super().__init__()
+        # Kept out of the state dict and out of dtype casts: frequencies stay float32.
+        self._inv_freq = rope_inverse_frequencies(head_dim, theta, scaling)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [T, 1, head_dim] for positions [T]."""
+        if self._inv_freq.device != positions.device:
+            self._inv_freq = self._inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self._inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] by the angles in cos/sin, pairing dimension i with i + D/2."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention over the paged KV cache."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype=None, device=None) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.backend = backend
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        linear = dict(dtype=dtype, device=device)
+        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.qkv_bias, **linear)
+        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias, **linear)
+        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias, **linear)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias, **linear)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **linear)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **linear)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Write this step's K/V to the cache and attend; hidden [T, hidden_size]."""
+        num_tokens = hidden.shape[0]
+        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        k_cache, v_cache = kv_cache
+        self.backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        out = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig, dtype=None, device=None) -> None:
+        super().__init__()
+        linear = dict(bias=config.mlp_bias, dtype=dtype, device=device)
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, **linear)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, **linear)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, **linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the feed-forward block."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block: attention then MLP, each with a residual."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype=None, device=None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(config, backend, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.mlp = MLP(config, dtype, device)
+
+    def forward(self, hidden, rope, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """Run the block on hidden [T, hidden_size]."""
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderStack(nn.Module):
+    """Embedding, the decoder layers and the final norm."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype=None, device=None) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, backend, dtype, device) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+
+    def forward(self, input_ids, positions, kv_caches: Sequence[KVCache], meta) -> torch.Tensor:
+        """Final hidden states [T, hidden_size] of tokens input_ids [T] at positions [T]."""
+        hidden = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions, hidden.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, rope, kv_cache, meta)
+        return self.norm(hidden)
+
+
+class CausalLM(nn.Module):
+    """A Llama-family decoder with its language-model head (tied to the embedding or not)."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype=None, device=None) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderStack(config, backend, dtype, device)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final hidden states [T, hidden_size]; K/V of these tokens are written to `kv_caches`."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [N, vocab_size] for hidden states [N, hidden_size]."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+
+def build_model(
+    config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: torch.device | str
+) -> CausalLM:
+    """A model whose parameters are allocated on `device` but not initialised."""
+    with torch.device("meta"):
+        model = CausalLM(config, backend, dtype)
+    return model.to_empty(device=device).eval()
+
+
+@torch.no_grad()
+def init_random_weights(model: CausalLM, seed: int) -> None:
+    """Fill the parameters reproducibly: norms 1, biases 0, everything else N(0, 0.02)."""
+    generator = None
+    for name, param in model.named_parameters():
+        if generator is None:
+            generator = torch.Generator(param.device).manual_seed(seed)
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.zero_()
+        else:
+            param.normal_(0.0, INIT_STD, generator=generator)

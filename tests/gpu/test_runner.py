@@ -1,0 +1,178 @@
+"""The runner's persistent batch, plan validation and construction, on a random-weight preset."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cadence.gpu import ModelRunner, preset
+from cadence.gpu.attention import AttentionBackend, reference_paged_attention, write_kv
+from cadence.statemachine.errors import ConfigError, ExecutorError
+from cadence.statemachine.plan import NewRequestData, StepPlan
+from cadence.statemachine.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
+NUM_BLOCKS, BLOCK_SIZE = 32, 4
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return ModelRunner(preset("tiny"), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, device="cpu")
+
+
+@pytest.fixture(autouse=True)
+def fresh_batch(runner):
+    runner.reset()
+
+
+def plan(step_id=0, scheduled=None, new=(), new_blocks=None, preempted=(), finished=()):
+    scheduled = scheduled or {}
+    return StepPlan(step_id, scheduled, sum(scheduled.values()), list(new), new_blocks or {},
+                    list(preempted), list(finished), [r.request_id for r in new if r.resumed])
+
+
+def new(request_id, tokens, blocks, num_computed=0, num_prompt=None):
+    return NewRequestData(request_id, list(tokens), num_prompt or len(tokens), list(blocks), num_computed)
+
+
+def test_partial_prefill_samples_nothing_and_results_follow_plan_order(runner):
+    first = runner.execute(
+        plan(0, {"a": 3, "b": 2}, [new("a", range(3, 9), [0, 1]), new("b", [5, 6], [2])]),
+        {"a": GREEDY, "b": GREEDY},
+    )
+    assert list(first.sampled_token_ids) == ["b"]
+    second = runner.execute(plan(1, {"b": 1, "a": 3}), {})
+    assert list(second.sampled_token_ids) == ["b", "a"]
+    assert second.logprobs is None and second.execute_us > 0
+
+
+def test_decodes_come_first_in_the_attention_metadata(runner):
+    seen = []
+
+    def spy(query, k_cache, v_cache, meta, scale):
+        seen.append(meta)
+        return reference_paged_attention(query, k_cache, v_cache, meta, scale)
+
+    original = [layer.self_attn.backend for layer in runner.model.model.layers]
+    for layer in runner.model.model.layers:
+        layer.self_attn.backend = AttentionBackend("spy", spy, write_kv)
+    try:
+        runner.execute(plan(0, {"a": 2}, [new("a", [3, 4], [0])]), {"a": GREEDY})
+        runner.execute(plan(1, {"b": 5, "a": 1}, [new("b", range(10, 15), [1, 2])]), {"b": GREEDY})
+    finally:
+        for layer, backend in zip(runner.model.model.layers, original):
+            layer.self_attn.backend = backend
+    meta = seen[-1]
+    assert meta.num_decode_seqs == 1
+    assert meta.query_start_loc.tolist() == [0, 1, 6] and meta.seq_lens.tolist() == [3, 5]
+
+
+def test_random_weights_are_seeded():
+    def first_token(seed):
+        r = ModelRunner(preset("tiny"), num_blocks=4, block_size=BLOCK_SIZE, device="cpu", seed=seed)
+        return r.execute(plan(0, {"a": 4}, [new("a", [5, 6, 7, 8], [0])]), {"a": GREEDY}).sampled_token_ids
+    assert first_token(1) == first_token(1)
+    r1 = ModelRunner(preset("tiny"), num_blocks=4, device="cpu", seed=1)
+    r2 = ModelRunner(preset("tiny"), num_blocks=4, device="cpu", seed=2)
+    assert not torch.equal(r1.model.model.embed_tokens.weight, r2.model.model.embed_tokens.weight)
+
+
+def test_finished_and_preempted_requests_leave_the_batch(runner):
+    runner.execute(plan(0, {"a": 2, "b": 2}, [new("a", [3, 4], [0]), new("b", [3, 4], [1])]),
+                   {"a": GREEDY, "b": GREEDY})
+    assert runner.num_requests == 2
+    runner.execute(plan(1, finished=["a"], preempted=["b"]), {})
+    assert runner.num_requests == 0
+    with pytest.raises(ExecutorError, match="request 'a' is not in the executor's batch"):
+        runner.execute(plan(2, {"a": 1}), {})
+
+
+def test_reset_forgets_every_request(runner):
+    runner.execute(plan(0, {"a": 2}, [new("a", [3, 4], [0])]), {"a": GREEDY})
+    runner.reset()
+    assert runner.num_requests == 0
+
+
+def test_resumed_request_replaces_its_old_entry(runner):
+    runner.execute(plan(0, {"a": 2}, [new("a", [3, 4], [0])]), {"a": GREEDY})
+    tokens = [3, 4, 9, 9, 9]
+    result = runner.execute(plan(1, {"a": 5}, [new("a", tokens, [2, 3], num_prompt=2)]), {"a": GREEDY})
+    assert list(result.sampled_token_ids) == ["a"]
+
+
+@pytest.mark.parametrize(
+    "bad_plan, params, match",
+    [
+        (plan(0, {"a": 2}, [new("a", [3, 4], [0])]), {}, "no SamplingParams for new request 'a'"),
+        (plan(0, {"a": 3}, [new("a", [3, 4], [0])]), {"a": GREEDY}, "scheduled 3 tokens from 0 but knows only 2"),
+        (plan(0, {"a": 5}, [new("a", range(3, 8), [0])]), {"a": GREEDY}, "needs 2 blocks for 5 tokens, has 1"),
+        (plan(0, {"a": 2}, [new("a", [3, 4], [NUM_BLOCKS])]), {"a": GREEDY}, r"block ids \[32\] outside"),
+        (plan(0, {"a": 1}, [new("a", [3, 4], [0], num_computed=3)]), {"a": GREEDY}, "num_computed_tokens 3"),
+        (plan(0, new_blocks={"z": [1]}), {}, "request 'z' is not in the executor's batch"),
+    ],
+)
+def test_inconsistent_plans_raise_executor_errors(runner, bad_plan, params, match):
+    with pytest.raises(ExecutorError, match=match):
+        runner.execute(bad_plan, params)
+
+
+def test_total_token_count_is_checked(runner):
+    bad = plan(0, {"a": 2}, [new("a", [3, 4], [0])])
+    bad.total_num_scheduled_tokens = 3
+    with pytest.raises(ExecutorError, match="total_num_scheduled_tokens is 3"):
+        runner.execute(bad, {"a": GREEDY})
+
+
+def test_construction_errors():
+    with pytest.raises(ConfigError, match="num_blocks is required on CPU"):
+        ModelRunner(preset("tiny"), device="cpu")
+    assert ModelRunner(preset("tiny"), num_blocks=1, device="cpu", dtype="auto").dtype == torch.float32
+    with pytest.raises(ConfigError, match="dtype must be 'auto' or one of"):
+        ModelRunner(preset("tiny"), num_blocks=4, device="cpu", dtype="int8")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA device"):
+            ModelRunner(preset("tiny"), num_blocks=4, device="cuda")
+
+
+def test_bfloat16_runs_and_reports_cache_size():
+    runner = ModelRunner(preset("tiny"), num_blocks=8, block_size=BLOCK_SIZE, device="cpu", dtype="bf16")
+    assert runner.vocab_size == 512 and runner.eos_token_ids == [2]
+    assert runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert runner.kv_block_bytes() == 2 * 2 * BLOCK_SIZE * 2 * 16 * 2
+    sampling = SamplingParams(temperature=0.9, top_k=20, logprobs=2, seed=3, repetition_penalty=1.2)
+    result = runner.execute(plan(0, {"a": 6}, [new("a", range(3, 9), [0, 1])]), {"a": sampling})
+    assert len(result.sampled_token_ids["a"]) == 1 and len(result.logprobs["a"][0]) == 3
+
+
+TRITON_SCRIPT = """
+from cadence.gpu import ModelRunner, preset
+from cadence.statemachine.plan import NewRequestData, StepPlan
+from cadence.statemachine.sampling import SamplingParams
+
+params = SamplingParams(temperature=0.0, logprobs=1)
+
+def run(backend):
+    r = ModelRunner(preset("tiny"), num_blocks=16, block_size=4, device="cpu", attention_backend=backend)
+    new = [NewRequestData("a", list(range(3, 10)), 7, [0, 1], 0), NewRequestData("b", [5, 6, 7], 3, [2], 0)]
+    results = [r.execute(StepPlan(0, {"a": 7, "b": 3}, 10, new, {}, [], [], []), {"a": params, "b": params})]
+    for step, blocks in [(1, {"b": [4]}), (2, {"a": [3]}), (3, {})]:
+        results.append(r.execute(StepPlan(step, {"a": 1, "b": 1}, 2, [], blocks, [], [], []), {}))
+    return results
+
+for x, y in zip(run("reference"), run("triton")):
+    assert x.sampled_token_ids == y.sampled_token_ids, (x, y)
+    for rid in x.logprobs:
+        assert abs(x.logprobs[rid][0][0][1] - y.logprobs[rid][0][0][1]) < 1e-4
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="test_cuda.py runs the compiled kernels")
+def test_triton_backend_plugs_in_under_the_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
