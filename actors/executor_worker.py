@@ -1,0 +1,334 @@
+"""The executor child process: a blocking loop that serves one socket.
+
+Run as ``python -m cadence.actors.executor_worker --fd N`` where N is an
+inherited, connected Unix stream socket. It reads an `InitExecutor` frame,
+builds the model runner and answers `Ready`; then answers each `ExecuteStep`
+with `StepOutput` (or `ExecutorFailed` if the runner raised) until `Shutdown`
+or end of stream. It needs no Trio: one request is in flight at a time.
+
+This module also defines the runner contract both executor backends rely on,
+and `DeterministicRunner`, the model "simulated": a zero-cost fake whose tokens
+depend only on the request id and position, so tests and benchmarks can run
+the real transports without torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+import zlib
+from typing import Any, Callable, Protocol
+
+import attrs
+
+from cadence.statemachine.errors import ExecutorError, ProtocolError
+from cadence.statemachine.plan import StepPlan, StepResult
+from cadence.statemachine.sampling import SamplingParams
+
+from .framing import receive_frame_sync, send_frame_sync
+from .messages import (
+    ExecuteStep,
+    ExecutorFailed,
+    InitExecutor,
+    Ready,
+    Shutdown,
+    StepOutput,
+    decode,
+    encode,
+)
+
+__all__ = [
+    "SIMULATED_MODEL",
+    "ModelRunnerLike",
+    "RunnerFactory",
+    "DeterministicRunner",
+    "deterministic_token",
+    "build_runner",
+    "ready_from_runner",
+    "serve",
+    "main",
+]
+
+SIMULATED_MODEL = "simulated"
+DEFAULT_VOCAB_SIZE = 32000
+# Used when InitExecutor.num_blocks is 0 ("size it yourself") for the fake runner.
+DEFAULT_NUM_BLOCKS = 4096
+
+# How long DeterministicRunner stalls when told to hang: longer than any test waits.
+HANG_S = 3600.0
+
+EXIT_OK = 0
+EXIT_RUNNER_FAILED = 1
+EXIT_PROTOCOL_ERROR = 2
+# What DeterministicRunner exits with when told to simulate a crash.
+EXIT_SIMULATED_CRASH = 3
+
+
+class ModelRunnerLike(Protocol):
+    """What an executor needs from a model runner (gpu.runner.ModelRunner is one)."""
+
+    num_blocks: int
+    vocab_size: int
+    eos_token_ids: list[int]
+
+    def execute(self, plan: StepPlan, sampling: dict[str, SamplingParams]) -> StepResult:
+        """Run one plan against the persistent batch and sample."""
+
+
+RunnerFactory = Callable[[InitExecutor], ModelRunnerLike]
+
+
+def deterministic_token(request_id: str, position: int, vocab_size: int = DEFAULT_VOCAB_SIZE) -> int:
+    """The token the simulated model emits for `request_id` at sequence position `position`."""
+    return zlib.crc32(f"{request_id}:{position}".encode()) % vocab_size
+
+
+@attrs.define
+class _Sequence:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling: SamplingParams
+    num_output_tokens: int = 0
+
+
+class DeterministicRunner:
+    """A zero-cost fake model runner with a real persistent batch.
+
+    Each sampled token is `deterministic_token(request_id, position)`, so a
+    request's output is the same whatever it is batched with and across
+    restarts. It checks the plan against its batch (unknown requests, tokens
+    beyond the blocks given), so a scheduler bug surfaces as a failed step.
+
+    Options (all optional): vocab_size (int); eos_token_id (int) and
+    eos_after (int: the request's Nth output token is that eos); step_delay_s
+    (float: sleep per step, to test timeouts and kills mid-step);
+    fail_at_step / exit_at_step / hang_at_step (int: raise once, exit the
+    process with code 3, or stall for an hour, when that step id arrives);
+    echo (bool: keep no batch and answer token 0 for every scheduled request,
+    a zero-cost runner for measuring the transport alone).
+    """
+
+    def __init__(self, init: InitExecutor) -> None:
+        options = init.options
+        self.block_size = init.block_size
+        self.max_model_len = init.max_model_len
+        self.num_blocks = init.num_blocks or DEFAULT_NUM_BLOCKS
+        self.vocab_size = int(options.get("vocab_size", DEFAULT_VOCAB_SIZE))
+        eos = options.get("eos_token_id")
+        self.eos_token_ids: list[int] = [] if eos is None else [int(eos)]
+        self._eos_after = int(options.get("eos_after", 0))
+        self._step_delay_s = float(options.get("step_delay_s", 0.0))
+        self._fail_at_step = options.get("fail_at_step")
+        self._exit_at_step = options.get("exit_at_step")
+        self._hang_at_step = options.get("hang_at_step")
+        self._echo = bool(options.get("echo", False))
+        self._batch: dict[str, _Sequence] = {}
+
+    def execute(self, plan: StepPlan, sampling: dict[str, SamplingParams]) -> StepResult:
+        """Apply the plan's deltas to the batch and sample one token per finished prefill or decode."""
+        start_ns = time.perf_counter_ns()
+        self._maybe_fault(plan.step_id)
+        if self._echo:
+            return StepResult(plan.step_id, {request_id: [0] for request_id in plan.num_scheduled_tokens})
+        for request_id in (*plan.finished_ids, *plan.preempted_ids):
+            self._batch.pop(request_id, None)
+        for data in plan.new_requests:
+            params = sampling.get(data.request_id)
+            if params is None:
+                raise ExecutorError(f"step {plan.step_id}: no SamplingParams for new request {data.request_id!r}")
+            self._batch[data.request_id] = _Sequence(
+                list(data.token_ids), list(data.block_ids), data.num_computed_tokens, params)
+        for request_id, block_ids in plan.new_block_ids.items():
+            self._sequence(request_id).block_ids.extend(block_ids)
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list[list[tuple[int, float]]]] = {}
+        for request_id, num_tokens in plan.num_scheduled_tokens.items():
+            token = self._advance(request_id, self._sequence(request_id), num_tokens)
+            if token is None:
+                continue
+            sampled[request_id] = [token]
+            wanted = self._batch[request_id].sampling.logprobs
+            if wanted is not None:
+                logprobs[request_id] = [self._logprobs(token, wanted)]
+        if self._step_delay_s:
+            time.sleep(self._step_delay_s)
+        elapsed_us = (time.perf_counter_ns() - start_ns) // 1000
+        return StepResult(plan.step_id, sampled, logprobs or None, elapsed_us)
+
+    def _maybe_fault(self, step_id: int) -> None:
+        if self._hang_at_step is not None and step_id == self._hang_at_step:
+            time.sleep(HANG_S)
+        if self._exit_at_step is not None and step_id == self._exit_at_step:
+            os._exit(EXIT_SIMULATED_CRASH)
+        if self._fail_at_step is not None and step_id == self._fail_at_step:
+            self._fail_at_step = None  # a transient fault: a retry of the step succeeds
+            raise RuntimeError(f"simulated failure at step {step_id}")
+
+    def _sequence(self, request_id: str) -> _Sequence:
+        sequence = self._batch.get(request_id)
+        if sequence is None:
+            raise ExecutorError(f"plan refers to request {request_id!r}, which is not in the batch")
+        return sequence
+
+    def _advance(self, request_id: str, sequence: _Sequence, num_tokens: int) -> int | None:
+        computed = sequence.num_computed_tokens + num_tokens
+        known = len(sequence.token_ids)
+        if computed > known:
+            raise ExecutorError(f"{request_id!r}: {computed} tokens scheduled but only {known} are known")
+        capacity = len(sequence.block_ids) * self.block_size
+        if computed > capacity:
+            raise ExecutorError(
+                f"{request_id!r}: {computed} tokens computed but its {len(sequence.block_ids)} blocks hold {capacity}"
+            )
+        sequence.num_computed_tokens = computed
+        if computed < known:
+            return None  # a prefill chunk short of the prompt's end samples nothing
+        sequence.num_output_tokens += 1
+        if self.eos_token_ids and self._eos_after and sequence.num_output_tokens == self._eos_after:
+            token = self.eos_token_ids[0]
+        else:
+            token = deterministic_token(request_id, known, self.vocab_size)
+        sequence.token_ids.append(token)
+        return token
+
+    def _logprobs(self, token: int, num_alternatives: int) -> list[tuple[int, float]]:
+        alternatives = [((token + i) % self.vocab_size, -float(i)) for i in range(1, num_alternatives + 1)]
+        return [(token, 0.0), *alternatives]
+
+
+def build_runner(init: InitExecutor) -> ModelRunnerLike:
+    """The default runner factory: the simulated model, or a `cadence.gpu` ModelRunner.
+
+    A model name that is a preset of cadence.gpu gets random weights from
+    `init.seed`; anything else is read as a Hugging Face checkpoint directory.
+    Options understood for real models: attention_backend (str),
+    gpu_memory_utilization (float), max_num_seqs (int).
+    """
+    if init.model == SIMULATED_MODEL:
+        return DeterministicRunner(init)
+    try:
+        # torch is imported only here, so the simulated model never pays for it.
+        from cadence.gpu import config as gpu_config
+        from cadence.gpu import runner as gpu_runner
+    except ImportError as exc:
+        raise ExecutorError(
+            f"model {init.model!r} needs cadence.gpu.runner, which could not be imported: {exc}"
+        ) from exc
+    model_runner = gpu_runner.ModelRunner
+    from_init = getattr(model_runner, "from_init", None)
+    if from_init is not None:
+        return from_init(init)
+    options = init.options
+    kwargs: dict[str, Any] = {
+        "num_blocks": init.num_blocks or None,
+        "block_size": init.block_size,
+        "device": init.device,
+        "dtype": init.dtype or None,
+        "seed": init.seed,
+        "max_num_batched_tokens": init.max_num_batched_tokens,
+    }
+    for name in ("attention_backend", "gpu_memory_utilization", "max_num_seqs"):
+        if name in options:
+            kwargs[name] = options[name]
+    if init.model in gpu_config.PRESETS:
+        return model_runner(gpu_config.preset(init.model), **kwargs)
+    return model_runner.from_pretrained(init.model, **kwargs)
+
+
+def ready_from_runner(runner: Any, init: InitExecutor) -> Ready:
+    """The `Ready` answer for a runner built from `init`.
+
+    vocab_size and eos_token_ids are read from the runner, or from its model
+    config when the runner does not expose them; max_model_len is the smaller
+    of what was asked and what the model computes exactly.
+    """
+    config = getattr(runner, "config", None)
+    vocab_size = getattr(runner, "vocab_size", None) or getattr(config, "vocab_size")
+    eos_token_ids = getattr(runner, "eos_token_ids", None)
+    if eos_token_ids is None:
+        eos_token_ids = getattr(config, "eos_token_ids", ())
+    max_model_len = min(init.max_model_len, getattr(runner, "max_model_len", init.max_model_len))
+    return Ready(
+        num_blocks=int(runner.num_blocks),
+        block_size=int(getattr(runner, "block_size", init.block_size)),
+        vocab_size=int(vocab_size),
+        eos_token_ids=[int(t) for t in eos_token_ids],
+        max_model_len=int(max_model_len),
+    )
+
+
+def _failure(step_id: int | None, exc: BaseException) -> ExecutorFailed:
+    return ExecutorFailed(step_id, f"{type(exc).__name__}: {exc}", traceback.format_exc())
+
+
+def serve(sock: socket.socket, runner_factory: RunnerFactory = build_runner) -> int:
+    """Serve one scheduler over `sock` until Shutdown or end of stream; returns the exit code."""
+    frame = receive_frame_sync(sock)
+    if frame is None:
+        return EXIT_OK
+    try:
+        init = decode(frame)
+        if not isinstance(init, InitExecutor):
+            raise ProtocolError(f"expected InitExecutor first, got {type(init).__name__}")
+    except ProtocolError as exc:
+        send_frame_sync(sock, encode(_failure(None, exc)))
+        return EXIT_PROTOCOL_ERROR
+    try:
+        runner = runner_factory(init)
+        ready = ready_from_runner(runner, init)
+    except Exception as exc:
+        send_frame_sync(sock, encode(_failure(None, exc)))
+        return EXIT_RUNNER_FAILED
+    send_frame_sync(sock, encode(ready))
+    while (frame := receive_frame_sync(sock)) is not None:
+        try:
+            message = decode(frame)
+        except ProtocolError as exc:
+            # The framing is intact, so the stream is still in step: report and go on.
+            send_frame_sync(sock, encode(_failure(None, exc)))
+            continue
+        if isinstance(message, Shutdown):
+            break
+        if not isinstance(message, ExecuteStep):
+            send_frame_sync(sock, encode(ExecutorFailed(None, f"unexpected {type(message).__name__}")))
+            continue
+        try:
+            reply: StepOutput | ExecutorFailed = StepOutput(runner.execute(message.plan, message.sampling))
+            payload = encode(reply)
+        except Exception as exc:
+            payload = encode(_failure(message.plan.step_id, exc))
+        send_frame_sync(sock, payload)
+    close = getattr(runner, "close", None)
+    if close is not None:
+        close()
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the child process."""
+    parser = argparse.ArgumentParser(prog="python -m cadence.actors.executor_worker")
+    parser.add_argument("--fd", type=int, required=True, help="inherited connected Unix stream socket")
+    args = parser.parse_args(argv)
+    # A Ctrl-C in the terminal reaches the whole process group; the parent
+    # decides when this process ends (Shutdown, end of stream or SIGKILL).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sock = socket.socket(fileno=args.fd)
+    try:
+        return serve(sock)
+    except (BrokenPipeError, ConnectionResetError):
+        return EXIT_OK  # the parent went away; nobody is left to tell
+    except ProtocolError as exc:
+        print(f"executor worker: {exc}", file=sys.stderr)
+        return EXIT_PROTOCOL_ERROR
+    finally:
+        sock.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""The two real executor backends: a model runner in a worker thread, or in a child process.
+
+Both implement `ExecutorBackend` (actors/executor.py) over the message classes
+of actors/messages.py. `InProcessExecutor` calls the runner directly, in a
+worker thread so the event loop never blocks; `ChildProcessExecutor` sends the
+same messages as length-prefixed msgpack frames over a Unix socket to
+``python -m cadence.actors.executor_worker``, so a crash in the model (or a
+SIGKILL) costs a restart, not the engine.
+
+Failure contract, the same for both: `execute` returns a `StepOutput` or raises
+`ExecutorError`. After an `ExecutorError` for a dead child, garbage on the
+wire, or an `execute` cancelled mid-step (a caller's timeout), the executor is
+unusable until `kill()` and `start()`; after a step the runner merely failed
+(`ExecutorFailed`), the stream is still in step, but the runner's batch may not
+be, so callers normally restart then too.
+"""
+
+from __future__ import annotations
+
+import inspect
+import signal
+import socket
+import sys
+from typing import Sequence
+
+import trio
+
+from cadence.statemachine.errors import ExecutorError, ProtocolError
+
+from .executor_worker import ModelRunnerLike, RunnerFactory, build_runner, ready_from_runner
+from .framing import MAX_FRAME_BYTES, receive_frame, send_frame
+from .messages import (
+    ExecuteStep,
+    ExecutorFailed,
+    InitExecutor,
+    Message,
+    Ready,
+    Shutdown,
+    StepOutput,
+    decode,
+    encode,
+)
+
+__all__ = ["InProcessExecutor", "ChildProcessExecutor", "WORKER_COMMAND", "describe_exit"]
+
+WORKER_COMMAND = (sys.executable, "-m", "cadence.actors.executor_worker")
+# How long a child that closed its socket gets to exit on its own before we
+# kill it, so the error can name its real exit code rather than our SIGKILL.
+_EXIT_GRACE_S = 1.0
+_SHUTDOWN_TIMEOUT_S = 5.0
+
+# Trio renamed `cancellable` to `abandon_on_cancel` in 0.23; accept either.
+_ABANDON_KW = (
+    "abandon_on_cancel"
+    if "abandon_on_cancel" in inspect.signature(trio.to_thread.run_sync).parameters
+    else "cancellable"
+)
+
+
+def describe_exit(returncode: int | None) -> str:
+    """A process's fate in words: 'exited with code 3', 'was killed by signal SIGKILL'."""
+    if returncode is None:
+        return "is still running"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = str(-returncode)
+        return f"was killed by signal {name}"
+    return f"exited with code {returncode}"
+
+
+def _failed_error(failed: ExecutorFailed, what: str) -> ExecutorError:
+    detail = f"\n{failed.detail}" if failed.detail else ""
+    return ExecutorError(f"executor failed {what}: {failed.error}{detail}")
+
+
+def _check_output(reply: Message, step: ExecuteStep) -> StepOutput:
+    step_id = step.plan.step_id
+    if isinstance(reply, ExecutorFailed):
+        raise _failed_error(reply, f"step {step_id}")
+    if not isinstance(reply, StepOutput):
+        raise ExecutorError(f"executor answered step {step_id} with {type(reply).__name__}")
+    if reply.result.step_id != step_id:
+        raise ExecutorError(f"executor answered step {step_id} with the output of step {reply.result.step_id}")
+    return reply
+
+
+class InProcessExecutor:
+    """The model runner in this process, each step run in a worker thread.
+
+    runner_factory(init) builds the runner (default: the simulated model or
+    cadence.gpu's ModelRunner). With round_trip=True every message is encoded
+    and decoded on the way, as it would be across a process boundary, to test
+    that both backends see the same thing.
+    """
+
+    def __init__(self, runner_factory: RunnerFactory = build_runner, *, round_trip: bool = False) -> None:
+        self._runner_factory = runner_factory
+        self._round_trip = round_trip
+        self._runner: ModelRunnerLike | None = None
+        self._interrupted = False
+
+    @property
+    def runner(self) -> ModelRunnerLike | None:
+        """The current runner, None before start or after kill."""
+        return self._runner
+
+    def _wire(self, message: Message) -> Message:
+        if not self._round_trip:
+            return message
+        try:
+            return decode(encode(message))
+        except ProtocolError as exc:
+            raise ExecutorError(f"{type(message).__name__} does not survive the wire: {exc}") from exc
+
+    async def start(self, init: InitExecutor) -> Ready:
+        """Build a fresh runner (in a thread: loading weights takes a while) and report its size."""
+        await self.kill()
+        init = self._wire(init)  # type: ignore[assignment]
+        try:
+            runner = await trio.to_thread.run_sync(self._runner_factory, init)
+            ready = ready_from_runner(runner, init)
+        except Exception as exc:
+            raise ExecutorError(f"executor failed to start: {type(exc).__name__}: {exc}") from exc
+        self._runner = runner
+        return self._wire(ready)  # type: ignore[return-value]
+
+    async def execute(self, step: ExecuteStep) -> StepOutput:
+        """Run one step in a worker thread; cancelling abandons the thread and the runner."""
+        runner = self._runner
+        if runner is None:
+            raise ExecutorError("executor is not running; call start() first")
+        if self._interrupted:
+            raise ExecutorError("executor was interrupted mid-step; kill() and start() it again")
+        step = self._wire(step)  # type: ignore[assignment]
+        self._interrupted = True
+        try:
+            result = await trio.to_thread.run_sync(
+                runner.execute, step.plan, step.sampling, **{_ABANDON_KW: True})
+        except Exception as exc:
+            self._interrupted = False
+            failed = ExecutorFailed(step.plan.step_id, f"{type(exc).__name__}: {exc}")
+            raise _failed_error(failed, f"step {step.plan.step_id}") from exc
+        self._interrupted = False
+        return _check_output(self._wire(StepOutput(result)), step)
+
+    async def kill(self) -> None:
+        """Drop the runner; a step still running in an abandoned thread finishes unseen."""
+        self._runner = None
+        self._interrupted = False
+
+    async def aclose(self) -> None:
+        """Close the runner if it has a close method, then drop it."""
+        runner, self._runner = self._runner, None
+        close = getattr(runner, "close", None)
+        if close is not None and not self._interrupted:
+            await trio.to_thread.run_sync(close)
+        self._interrupted = False
+
+
+class ChildProcessExecutor:
+    """The model runner in a child process, spoken to in msgpack frames over a Unix socket.
+
+    command: the worker's command line (default `WORKER_COMMAND`); ``--fd N`` is
+    appended, naming the inherited socket. A dead child, a closed socket or an
+    invalid frame raises `ExecutorError` naming the exit code or signal.
+    """
+
+    def __init__(
+        self,
+        command: Sequence[str] = WORKER_COMMAND,
+        *,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+        shutdown_timeout_s: float = _SHUTDOWN_TIMEOUT_S,
+    ) -> None:
+        self._command = list(command)
+        self._max_frame_bytes = max_frame_bytes
+        self._shutdown_timeout_s = shutdown_timeout_s
+        self._process: trio.Process | None = None
+        self._stream: trio.SocketStream | None = None
+        # Set while a request is on the wire; still set afterwards means an
+        # exchange was interrupted and the next reply would be out of step.
+        self._in_flight = False
+
+    @property
+    def pid(self) -> int | None:
+        """The process id of the current (or last) child; None before the first start."""
+        return None if self._process is None else self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """The current (or last) child's exit status once it has exited (negative: killed by that signal)."""
+        return None if self._process is None else self._process.returncode
+
+    async def start(self, init: InitExecutor) -> Ready:
+        """Spawn a fresh child (killing any previous one), send InitExecutor and wait for Ready."""
+        await self.kill()
+        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        command = [*self._command, "--fd", str(child_sock.fileno())]
+        try:
+            self._process = await trio.lowlevel.open_process(command, pass_fds=(child_sock.fileno(),))
+        except BaseException as exc:
+            parent_sock.close()
+            if isinstance(exc, OSError):
+                raise ExecutorError(f"could not start the executor process {command[0]!r}: {exc}") from exc
+            raise
+        finally:
+            child_sock.close()
+        self._stream = trio.SocketStream(trio.socket.from_stdlib_socket(parent_sock))
+        try:
+            reply = await self._exchange(init, "start-up")
+            if isinstance(reply, ExecutorFailed):
+                raise _failed_error(reply, "to start")
+            if not isinstance(reply, Ready):
+                raise ExecutorError(f"executor answered InitExecutor with {type(reply).__name__}")
+        except BaseException:
+            await self.kill()
+            raise
+        return reply
+
+    async def execute(self, step: ExecuteStep) -> StepOutput:
+        """Send one step and wait for its output."""
+        reply = await self._exchange(step, f"step {step.plan.step_id}")
+        try:
+            return _check_output(reply, step)
+        except ExecutorError:
+            if not isinstance(reply, ExecutorFailed):
+                await self.kill()  # it answered a different question: nothing it says can be trusted
+            raise
+
+    async def _exchange(self, message: Message, what: str) -> Message:
+        stream = self._stream
+        if stream is None:
+            raise ExecutorError("executor is not running; call start() first")
+        if self._in_flight:
+            raise ExecutorError("executor was interrupted mid-step; kill() and start() it again")
+        self._in_flight = True
+        try:
+            await send_frame(stream, encode(message), self._max_frame_bytes)
+            frame = await receive_frame(stream, self._max_frame_bytes)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError) as exc:
+            raise await self._lost(what, exc) from exc
+        if frame is None:
+            raise await self._lost(what, None)
+        try:
+            reply = decode(frame, self._max_frame_bytes)
+        except ProtocolError as exc:
+            await self.kill()
+            raise ExecutorError(f"executor sent an invalid message during {what} and was killed: {exc}") from exc
+        self._in_flight = False
+        return reply
+
+    async def _lost(self, what: str, cause: BaseException | None) -> ExecutorError:
+        """The connection broke: give the child a moment to exit, reap it, and say how it ended."""
+        process = self._process
+        if process is not None:
+            with trio.move_on_after(_EXIT_GRACE_S):
+                await process.wait()
+        returncode = None if process is None else process.returncode
+        await self.kill()
+        fate = "did not exit and was killed" if returncode is None else describe_exit(returncode)
+        reason = f" ({cause})" if cause is not None and str(cause) else ""
+        return ExecutorError(f"executor process {fate} during {what}{reason}")
+
+    async def kill(self) -> None:
+        """SIGKILL the child and reap it; safe to call in any state, and under cancellation."""
+        process, stream = self._process, self._stream
+        self._stream = None
+        self._in_flight = False
+        with trio.CancelScope(shield=True):
+            if stream is not None:
+                await stream.aclose()
+            if process is not None:
+                if process.returncode is None:
+                    process.kill()
+                await process.wait()
+
+    async def aclose(self) -> None:
+        """Ask the child to shut down, wait for it a while, then kill whatever is left."""
+        stream, process = self._stream, self._process
+        try:
+            if stream is not None and process is not None and not self._in_flight:
+                with trio.move_on_after(self._shutdown_timeout_s):
+                    await send_frame(stream, encode(Shutdown()))
+                    await process.wait()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # already gone; kill() below reaps it
+        finally:
+            await self.kill()

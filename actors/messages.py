@@ -1,0 +1,587 @@
+"""Every message between the scheduler actor and an executor, and its msgpack form.
+
+A message travels as the msgpack array ``[PROTOCOL_VERSION, type_name, payload]``
+where ``payload`` is a map from field name to value built only from standard
+msgpack types (nil, bool, int, float, str, bin, array, map): no ext types and
+never pickle, so a peer in any language can speak it. The same classes are used
+in-process and across a socket, so moving the executor changes the transport,
+not the protocol.
+
+`decode` trusts nothing: whatever bytes it is given, it either returns a valid
+message or raises `ProtocolError` whose text names the offending field path,
+e.g. ``ExecuteStep.plan.new_requests[2].block_ids[0]: expected int, got str``.
+Decoding checks every field's type and range, and SamplingParams' own rules;
+it does not check one field against another (a plan's total against its
+per-request counts, say): the runner checks a plan against its batch.
+Validation is hand-written per message rather than reflected from the attrs
+fields, because a decode step's plan is on every step's critical path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar, Union
+
+import attrs
+import msgpack
+
+from cadence.statemachine.errors import InvalidRequestError, ProtocolError
+from cadence.statemachine.plan import NewRequestData, StepPlan, StepResult
+from cadence.statemachine.sampling import SamplingParams
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "MAX_MESSAGE_BYTES",
+    "OptionValue",
+    "InitExecutor",
+    "ExecuteStep",
+    "Shutdown",
+    "Ready",
+    "StepOutput",
+    "ExecutorFailed",
+    "Message",
+    "ToExecutor",
+    "FromExecutor",
+    "MESSAGE_TYPES",
+    "encode",
+    "decode",
+]
+
+PROTOCOL_VERSION = 1
+# Large enough for a plan that admits hundreds of long prompts in full.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+OptionValue = Union[str, int, float, bool]
+
+_TYPE_NAMES = {
+    type(None): "nil", bool: "bool", int: "int", float: "float", str: "str",
+    bytes: "bin", list: "array", dict: "map",
+}
+
+
+# ---------------------------------------------------------------------------
+# Validation helpers. Each takes the value and its field path and returns the
+# value to store (converted where the wire form differs, e.g. int -> float).
+
+
+def _kind(value: object) -> str:
+    return _TYPE_NAMES.get(type(value), type(value).__name__)
+
+
+def _wrong(path: str, expected: str, value: object) -> ProtocolError:
+    return ProtocolError(f"{path}: expected {expected}, got {_kind(value)}")
+
+
+def _int(value: object, path: str, minimum: int | None = 0) -> int:
+    # `type(...) is int` rather than isinstance: msgpack bools are not ints here.
+    if type(value) is not int:
+        raise _wrong(path, "int", value)
+    if minimum is not None and value < minimum:
+        raise ProtocolError(f"{path}: must be >= {minimum}, got {value}")
+    return value
+
+
+def _optional_int(value: object, path: str, minimum: int | None = 0) -> int | None:
+    return None if value is None else _int(value, path, minimum)
+
+
+def _float(value: object, path: str) -> float:
+    kind = type(value)
+    if kind is float:
+        return value  # type: ignore[return-value]
+    if kind is int:
+        return float(value)  # type: ignore[arg-type]
+    raise _wrong(path, "float", value)
+
+
+def _bool(value: object, path: str) -> bool:
+    if type(value) is not bool:
+        raise _wrong(path, "bool", value)
+    return value  # type: ignore[return-value]
+
+
+def _str(value: object, path: str) -> str:
+    if type(value) is not str:
+        raise _wrong(path, "str", value)
+    return value  # type: ignore[return-value]
+
+
+def _list(value: object, path: str) -> list:
+    if type(value) is not list:
+        raise _wrong(path, "array", value)
+    return value  # type: ignore[return-value]
+
+
+def _dict(value: object, path: str) -> dict:
+    if type(value) is not dict:
+        raise _wrong(path, "map", value)
+    return value  # type: ignore[return-value]
+
+
+def _ids(value: object, path: str) -> list[int]:
+    """An array of non-negative ints (token ids, block ids), checked in one pass."""
+    items = _list(value, path)
+    for item in items:
+        if type(item) is not int or item < 0:
+            _find_bad_id(items, path)
+    return items
+
+
+def _find_bad_id(items: list, path: str) -> None:
+    for index, item in enumerate(items):
+        _int(item, f"{path}[{index}]")
+
+
+def _strs(value: object, path: str) -> list[str]:
+    items = _list(value, path)
+    for item in items:
+        if type(item) is not str:
+            for index, each in enumerate(items):
+                _str(each, f"{path}[{index}]")
+    return items
+
+
+def _str_keys(mapping: dict, path: str) -> None:
+    for key in mapping:
+        if type(key) is not str:
+            raise ProtocolError(f"{path}: keys must be str, got {_kind(key)} key {key!r}")
+
+
+def _str_to_count(value: object, path: str) -> dict[str, int]:
+    """A map from str to non-negative int, checked in one pass."""
+    mapping = _dict(value, path)
+    for key, count in mapping.items():
+        if type(key) is not str or type(count) is not int or count < 0:
+            _str_keys(mapping, path)
+            _int(count, f"{path}[{key!r}]")
+    return mapping
+
+
+def _str_to_ids(value: object, path: str) -> dict[str, list[int]]:
+    """A map from str to an array of non-negative ints; paths are built only on failure."""
+    mapping = _dict(value, path)
+    for key, ids in mapping.items():
+        if type(key) is not str or type(ids) is not list:
+            _str_keys(mapping, path)
+            _list(ids, f"{path}[{key!r}]")
+        for item in ids:
+            if type(item) is not int or item < 0:
+                _find_bad_id(ids, f"{path}[{key!r}]")
+    return mapping
+
+
+def _fields(payload: object, path: str, names: frozenset[str]) -> dict:
+    """Check that `payload` is a map holding exactly the fields `names`."""
+    mapping = _dict(payload, path)
+    if mapping.keys() != names:
+        _str_keys(mapping, path)
+        missing = sorted(names - mapping.keys())
+        if missing:
+            raise ProtocolError(f"{path}: missing field {missing[0]!r}")
+        extra = sorted(mapping.keys() - names)
+        raise ProtocolError(f"{path}: unexpected field {extra[0]!r}")
+    return mapping
+
+
+# ---------------------------------------------------------------------------
+# The nested core types: StepPlan, NewRequestData, SamplingParams, StepResult.
+
+_NEW_REQUEST_FIELDS = frozenset(f.name for f in attrs.fields(NewRequestData))
+_PLAN_FIELDS = frozenset(f.name for f in attrs.fields(StepPlan))
+_RESULT_FIELDS = frozenset(f.name for f in attrs.fields(StepResult))
+_SAMPLING_FIELDS = frozenset(f.name for f in attrs.fields(SamplingParams))
+_SAMPLING_FLOATS = (
+    "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+)
+
+
+def _new_request_to_wire(data: NewRequestData) -> dict[str, Any]:
+    return {
+        "request_id": data.request_id,
+        "token_ids": data.token_ids,
+        "num_prompt_tokens": data.num_prompt_tokens,
+        "block_ids": data.block_ids,
+        "num_computed_tokens": data.num_computed_tokens,
+        "resumed": data.resumed,
+    }
+
+
+def _new_request_from_wire(value: object, path: str) -> NewRequestData:
+    m = _fields(value, path, _NEW_REQUEST_FIELDS)
+    return NewRequestData(
+        request_id=_str(m["request_id"], f"{path}.request_id"),
+        token_ids=_ids(m["token_ids"], f"{path}.token_ids"),
+        num_prompt_tokens=_int(m["num_prompt_tokens"], f"{path}.num_prompt_tokens"),
+        block_ids=_ids(m["block_ids"], f"{path}.block_ids"),
+        num_computed_tokens=_int(m["num_computed_tokens"], f"{path}.num_computed_tokens"),
+        resumed=_bool(m["resumed"], f"{path}.resumed"),
+    )
+
+
+def _plan_to_wire(plan: StepPlan) -> dict[str, Any]:
+    return {
+        "step_id": plan.step_id,
+        "num_scheduled_tokens": plan.num_scheduled_tokens,
+        "total_num_scheduled_tokens": plan.total_num_scheduled_tokens,
+        "new_requests": [_new_request_to_wire(d) for d in plan.new_requests],
+        "new_block_ids": plan.new_block_ids,
+        "preempted_ids": plan.preempted_ids,
+        "finished_ids": plan.finished_ids,
+        "resumed_ids": plan.resumed_ids,
+    }
+
+
+def _plan_from_wire(value: object, path: str) -> StepPlan:
+    m = _fields(value, path, _PLAN_FIELDS)
+    new_requests = _list(m["new_requests"], f"{path}.new_requests")
+    return StepPlan(
+        step_id=_int(m["step_id"], f"{path}.step_id"),
+        num_scheduled_tokens=_str_to_count(m["num_scheduled_tokens"], f"{path}.num_scheduled_tokens"),
+        total_num_scheduled_tokens=_int(
+            m["total_num_scheduled_tokens"], f"{path}.total_num_scheduled_tokens"),
+        new_requests=[
+            _new_request_from_wire(d, f"{path}.new_requests[{i}]") for i, d in enumerate(new_requests)
+        ],
+        new_block_ids=_str_to_ids(m["new_block_ids"], f"{path}.new_block_ids"),
+        preempted_ids=_strs(m["preempted_ids"], f"{path}.preempted_ids"),
+        finished_ids=_strs(m["finished_ids"], f"{path}.finished_ids"),
+        resumed_ids=_strs(m["resumed_ids"], f"{path}.resumed_ids"),
+    )
+
+
+def _sampling_to_wire(params: SamplingParams) -> dict[str, Any]:
+    return {
+        "max_tokens": params.max_tokens,
+        "min_tokens": params.min_tokens,
+        "temperature": params.temperature,
+        "top_k": params.top_k,
+        "top_p": params.top_p,
+        "min_p": params.min_p,
+        "repetition_penalty": params.repetition_penalty,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "seed": params.seed,
+        "logprobs": params.logprobs,
+        "ignore_eos": params.ignore_eos,
+        "stop": params.stop,
+        "stop_token_ids": params.stop_token_ids,
+        "include_stop_str_in_output": params.include_stop_str_in_output,
+    }
+
+
+def _sampling_from_wire(value: object, path: str) -> SamplingParams:
+    m = _fields(value, path, _SAMPLING_FIELDS)
+    fields: dict[str, Any] = {
+        "max_tokens": _int(m["max_tokens"], f"{path}.max_tokens", None),
+        "min_tokens": _int(m["min_tokens"], f"{path}.min_tokens", None),
+        "top_k": _int(m["top_k"], f"{path}.top_k", None),
+        "seed": _optional_int(m["seed"], f"{path}.seed", None),
+        "logprobs": _optional_int(m["logprobs"], f"{path}.logprobs", None),
+        "ignore_eos": _bool(m["ignore_eos"], f"{path}.ignore_eos"),
+        "stop": _strs(m["stop"], f"{path}.stop"),
+        "stop_token_ids": _ids(m["stop_token_ids"], f"{path}.stop_token_ids"),
+        "include_stop_str_in_output": _bool(
+            m["include_stop_str_in_output"], f"{path}.include_stop_str_in_output"),
+    }
+    for name in _SAMPLING_FLOATS:
+        fields[name] = _float(m[name], f"{path}.{name}")
+    try:
+        return SamplingParams(**fields)
+    except (InvalidRequestError, TypeError, ValueError) as exc:
+        raise ProtocolError(f"{path}: {exc}") from None
+
+
+def _logprobs_from_wire(value: object, path: str) -> dict[str, list[list[tuple[int, float]]]] | None:
+    if value is None:
+        return None
+    mapping = _dict(value, path)
+    _str_keys(mapping, path)
+    result: dict[str, list[list[tuple[int, float]]]] = {}
+    for key, per_token in mapping.items():
+        key_path = f"{path}[{key!r}]"
+        positions = []
+        for i, alternatives in enumerate(_list(per_token, key_path)):
+            pairs = []
+            for j, pair in enumerate(_list(alternatives, f"{key_path}[{i}]")):
+                pair_path = f"{key_path}[{i}][{j}]"
+                if type(pair) is not list or len(pair) != 2:
+                    raise _wrong(pair_path, "[token id, logprob] pair", pair)
+                pairs.append((_int(pair[0], f"{pair_path}[0]"), _float(pair[1], f"{pair_path}[1]")))
+            positions.append(pairs)
+        result[key] = positions
+    return result
+
+
+def _result_to_wire(result: StepResult) -> dict[str, Any]:
+    return {
+        "step_id": result.step_id,
+        "sampled_token_ids": result.sampled_token_ids,
+        "logprobs": result.logprobs,
+        "execute_us": result.execute_us,
+    }
+
+
+def _result_from_wire(value: object, path: str) -> StepResult:
+    m = _fields(value, path, _RESULT_FIELDS)
+    return StepResult(
+        step_id=_int(m["step_id"], f"{path}.step_id"),
+        sampled_token_ids=_str_to_ids(m["sampled_token_ids"], f"{path}.sampled_token_ids"),
+        logprobs=_logprobs_from_wire(m["logprobs"], f"{path}.logprobs"),
+        execute_us=_int(m["execute_us"], f"{path}.execute_us"),
+    )
+
+
+# ---------------------------------------------------------------------------
+# The messages.
+
+
+@attrs.frozen
+class InitExecutor:
+    """Scheduler -> executor: load the model and allocate the KV cache.
+
+    model: "simulated", a preset name such as "tiny", or a checkpoint directory.
+    num_blocks: KV blocks to allocate; 0 lets the executor size the cache from
+      free memory (the figure comes back in `Ready`).
+    options: backend-specific switches (e.g. attention kernel), flat str -> scalar.
+    """
+
+    model: str
+    dtype: str
+    device: str
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    seed: int
+    options: dict[str, OptionValue] = attrs.field(factory=dict)
+
+    TYPE: ClassVar[str] = "InitExecutor"
+
+    def to_wire(self) -> dict[str, Any]:
+        """The msgpack payload map."""
+        return {
+            "model": self.model, "dtype": self.dtype, "device": self.device,
+            "num_blocks": self.num_blocks, "block_size": self.block_size,
+            "max_model_len": self.max_model_len,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "seed": self.seed, "options": self.options,
+        }
+
+    @classmethod
+    def from_wire(cls, payload: object, path: str = "InitExecutor") -> InitExecutor:
+        """Validate a payload map and build the message; raises ProtocolError."""
+        m = _fields(payload, path, _INIT_FIELDS)
+        options = _dict(m["options"], f"{path}.options")
+        _str_keys(options, f"{path}.options")
+        for key, value in options.items():
+            if type(value) not in (str, int, float, bool):
+                raise _wrong(f"{path}.options[{key!r}]", "str, int, float or bool", value)
+        return cls(
+            model=_str(m["model"], f"{path}.model"),
+            dtype=_str(m["dtype"], f"{path}.dtype"),
+            device=_str(m["device"], f"{path}.device"),
+            num_blocks=_int(m["num_blocks"], f"{path}.num_blocks"),
+            block_size=_int(m["block_size"], f"{path}.block_size", 1),
+            max_model_len=_int(m["max_model_len"], f"{path}.max_model_len", 1),
+            max_num_batched_tokens=_int(m["max_num_batched_tokens"], f"{path}.max_num_batched_tokens", 1),
+            seed=_int(m["seed"], f"{path}.seed", None),
+            options=options,
+        )
+
+
+@attrs.frozen
+class ExecuteStep:
+    """Scheduler -> executor: run one step plan.
+
+    sampling: the sampling parameters of the plan's new requests (running ones
+      keep theirs in the executor's persistent batch).
+    """
+
+    plan: StepPlan
+    sampling: dict[str, SamplingParams] = attrs.field(factory=dict)
+
+    TYPE: ClassVar[str] = "ExecuteStep"
+
+    def to_wire(self) -> dict[str, Any]:
+        """The msgpack payload map."""
+        return {
+            "plan": _plan_to_wire(self.plan),
+            "sampling": {rid: _sampling_to_wire(p) for rid, p in self.sampling.items()},
+        }
+
+    @classmethod
+    def from_wire(cls, payload: object, path: str = "ExecuteStep") -> ExecuteStep:
+        """Validate a payload map and build the message; raises ProtocolError."""
+        m = _fields(payload, path, _EXECUTE_FIELDS)
+        plan = _plan_from_wire(m["plan"], f"{path}.plan")
+        sampling = _dict(m["sampling"], f"{path}.sampling")
+        _str_keys(sampling, f"{path}.sampling")
+        return cls(
+            plan=plan,
+            sampling={rid: _sampling_from_wire(p, f"{path}.sampling[{rid!r}]") for rid, p in sampling.items()},
+        )
+
+
+@attrs.frozen
+class Shutdown:
+    """Scheduler -> executor: release the model and exit."""
+
+    TYPE: ClassVar[str] = "Shutdown"
+
+    def to_wire(self) -> dict[str, Any]:
+        """The msgpack payload map (empty)."""
+        return {}
+
+    @classmethod
+    def from_wire(cls, payload: object, path: str = "Shutdown") -> Shutdown:
+        """Validate a payload map and build the message; raises ProtocolError."""
+        _fields(payload, path, frozenset())
+        return cls()
+
+
+@attrs.frozen
+class Ready:
+    """Executor -> scheduler: started; the cache and vocabulary it really has."""
+
+    num_blocks: int
+    block_size: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    max_model_len: int
+
+    TYPE: ClassVar[str] = "Ready"
+
+    def to_wire(self) -> dict[str, Any]:
+        """The msgpack payload map."""
+        return {
+            "num_blocks": self.num_blocks, "block_size": self.block_size,
+            "vocab_size": self.vocab_size, "eos_token_ids": self.eos_token_ids,
+            "max_model_len": self.max_model_len,
+        }
+
+    @classmethod
+    def from_wire(cls, payload: object, path: str = "Ready") -> Ready:
+        """Validate a payload map and build the message; raises ProtocolError."""
+        m = _fields(payload, path, _READY_FIELDS)
+        return cls(
+            num_blocks=_int(m["num_blocks"], f"{path}.num_blocks", 1),
+            block_size=_int(m["block_size"], f"{path}.block_size", 1),
+            vocab_size=_int(m["vocab_size"], f"{path}.vocab_size", 1),
+            eos_token_ids=_ids(m["eos_token_ids"], f"{path}.eos_token_ids"),
+            max_model_len=_int(m["max_model_len"], f"{path}.max_model_len", 1),
+        )
+
+
+@attrs.frozen
+class StepOutput:
+    """Executor -> scheduler: the sampled tokens of one step."""
+
+    result: StepResult
+
+    TYPE: ClassVar[str] = "StepOutput"
+
+    def to_wire(self) -> dict[str, Any]:
+        """The msgpack payload map."""
+        return {"result": _result_to_wire(self.result)}
+
+    @classmethod
+    def from_wire(cls, payload: object, path: str = "StepOutput") -> StepOutput:
+        """Validate a payload map and build the message; raises ProtocolError."""
+        m = _fields(payload, path, _OUTPUT_FIELDS)
+        return cls(result=_result_from_wire(m["result"], f"{path}.result"))
+
+
+@attrs.frozen
+class ExecutorFailed:
+    """Executor -> scheduler: a step (or start-up, step_id None) raised.
+
+    error: the exception's type and message, one line; detail: the traceback.
+    """
+
+    step_id: int | None
+    error: str
+    detail: str = ""
+
+    TYPE: ClassVar[str] = "ExecutorFailed"
+
+    def to_wire(self) -> dict[str, Any]:
+        """The msgpack payload map."""
+        return {"step_id": self.step_id, "error": self.error, "detail": self.detail}
+
+    @classmethod
+    def from_wire(cls, payload: object, path: str = "ExecutorFailed") -> ExecutorFailed:
+        """Validate a payload map and build the message; raises ProtocolError."""
+        m = _fields(payload, path, _FAILED_FIELDS)
+        return cls(
+            step_id=_optional_int(m["step_id"], f"{path}.step_id"),
+            error=_str(m["error"], f"{path}.error"),
+            detail=_str(m["detail"], f"{path}.detail"),
+        )
+
+
+def _field_names(cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in attrs.fields(cls))
+
+
+_INIT_FIELDS = _field_names(InitExecutor)
+_EXECUTE_FIELDS = _field_names(ExecuteStep)
+_READY_FIELDS = _field_names(Ready)
+_OUTPUT_FIELDS = _field_names(StepOutput)
+_FAILED_FIELDS = _field_names(ExecutorFailed)
+
+ToExecutor = Union[InitExecutor, ExecuteStep, Shutdown]
+FromExecutor = Union[Ready, StepOutput, ExecutorFailed]
+Message = Union[ToExecutor, FromExecutor]
+
+MESSAGE_TYPES: dict[str, type] = {
+    cls.TYPE: cls for cls in (InitExecutor, ExecuteStep, Shutdown, Ready, StepOutput, ExecutorFailed)
+}
+_FROM_WIRE: dict[str, Callable[[object], Message]] = {
+    name: cls.from_wire for name, cls in MESSAGE_TYPES.items()  # type: ignore[attr-defined]
+}
+
+
+# ---------------------------------------------------------------------------
+# Bytes.
+
+
+def _reject_ext(code: int, data: bytes) -> object:
+    raise ProtocolError(f"msgpack ext type {code} is not allowed")
+
+
+def encode(message: Message) -> bytes:
+    """Serialise a message to its msgpack envelope; ProtocolError if it cannot be."""
+    try:
+        payload = message.to_wire()
+        return msgpack.packb([PROTOCOL_VERSION, message.TYPE, payload], use_bin_type=True)
+    except AttributeError:
+        raise ProtocolError(f"not a message: {type(message).__name__}") from None
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(f"{type(message).__name__} cannot be encoded: {exc}") from None
+
+
+def decode(data: bytes | bytearray | memoryview, max_size: int = MAX_MESSAGE_BYTES) -> Message:
+    """Parse and validate one message; any defect raises ProtocolError naming the field."""
+    if len(data) > max_size:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds the limit of {max_size}")
+    try:
+        envelope = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True, ext_hook=_reject_ext)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(f"not a valid msgpack message: {type(exc).__name__}: {exc}") from None
+    if type(envelope) is not list or len(envelope) != 3:
+        raise ProtocolError(
+            f"envelope: expected [version, type, payload] array, got {_kind(envelope)}"
+            + (f" of length {len(envelope)}" if type(envelope) is list else "")
+        )
+    version, name, payload = envelope
+    if type(version) is not int:
+        raise _wrong("envelope.version", "int", version)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"envelope: unsupported protocol version {version} (expected {PROTOCOL_VERSION})")
+    if type(name) is not str:
+        raise _wrong("envelope.type", "str", name)
+    from_wire = _FROM_WIRE.get(name)
+    if from_wire is None:
+        raise ProtocolError(f"envelope: unknown message type {name[:64]!r}")
+    return from_wire(payload)
