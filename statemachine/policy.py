@@ -72,13 +72,13 @@ class KeyedPolicy:
     def push(self, request: Request) -> None:
         seq = next(self._seq)
         request.queue_seq = seq
-        heapq.heappush(self._heap, (self.key(request), seq, request))
+        heapq.heappush(self._heap, (self.key(request), request.arrival_seq, seq, request))
         self._count += 1
 
     def pop(self) -> Request | None:
         heap = self._heap
         while heap:
-            _, seq, request = heapq.heappop(heap)
+            _, _, seq, request = heapq.heappop(heap)
             if request.queue_seq == seq:
                 request.queue_seq = 0
                 self._count -= 1
@@ -96,7 +96,7 @@ class KeyedPolicy:
         return self._count
 
     def ordered(self) -> list[Request]:
-        return [r for _, seq, r in sorted(self._heap, key=lambda e: (e[0], e[1])) if r.queue_seq == seq]
+        return [r for _, _, seq, r in sorted(self._heap, key=lambda e: e[:3]) if r.queue_seq == seq]
 
     def victim(self, running: Sequence[Request]) -> Request:
         """The lowest-priority running request that has the least computed work."""
@@ -216,11 +216,12 @@ class FairPolicy:
         if queue is None:
             queue = self.queues[request.tenant] = deque()
         seq = request.queue_seq = next(self._seq)
-        if queue and queue[-1][1].arrival_s > request.arrival_s:
+        last = queue[-1][1] if queue else None
+        if last is not None and (last.arrival_s, last.arrival_seq) > (request.arrival_s, request.arrival_seq):
             # A preempted request keeps its place by arrival: rebuild this tenant's queue.
             live = [e for e in queue if e[1].queue_seq == e[0]]
             live.append((seq, request))
-            live.sort(key=lambda e: (e[1].arrival_s, e[0]))
+            live.sort(key=lambda e: (e[1].arrival_s, e[1].arrival_seq))
             queue.clear()
             queue.extend(live)
         else:

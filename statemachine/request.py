@@ -52,7 +52,7 @@ class Request:
         "arrival_s", "cache_salt", "fsm", "output_token_ids", "all_token_ids",
         "num_prompt_tokens", "num_computed_tokens", "num_preemptions", "block_hashes",
         "num_skips", "queue_seq", "first_scheduled_s", "num_cached_tokens",
-        "stop_token_set", "finish_detail",
+        "stop_token_set", "finish_detail", "arrival_seq",
     )
 
     def __init__(
@@ -88,6 +88,8 @@ class Request:
         self.block_hashes: list[int] = []
         self.num_skips = 0
         self.queue_seq = 0
+        # Set by the scheduler on arrival: breaks ties between equal arrival times.
+        self.arrival_seq = 0
         self.first_scheduled_s: float | None = None
         self.num_cached_tokens = 0
         limits = self.limits

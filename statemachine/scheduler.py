@@ -60,6 +60,7 @@ class Scheduler:
         # Admission memo: a pass that admitted nothing is not repeated until the
         # queue changes or blocks are freed (it would fail the same way).
         self._queue_version = 0
+        self._num_arrivals = 0
         self._failed_admission: tuple[int, int] | None = None
         if config.debug_checks:
             from .invariants import check_scheduler
@@ -109,6 +110,8 @@ class Scheduler:
             raise QueueFullError(
                 f"waiting queue holds {len(self.policy)} requests; max_waiting is {config.max_waiting}"
             )
+        self._num_arrivals += 1
+        request.arrival_seq = self._num_arrivals
         self.requests[rid] = request
         self.policy.push(request)
         self._queue_version += 1
@@ -214,7 +217,8 @@ class Scheduler:
         if failed is not None and failed[0] == self._queue_version \
                 and blocks.num_free_blocks - reserve < failed[1]:
             pass  # same queue and still too few free blocks: the last pass's failure stands
-        elif budget > 0 and len(scheduled) < seats and len(policy):
+        elif len(policy) and ((budget > 0 and len(scheduled) < seats)
+                              or getattr(policy, "preempts_running", True)):
             budget = self._admit(budget, seats, scheduled, new_requests, preempted,
                                  new_block_ids, threshold)
 
@@ -350,9 +354,12 @@ class Scheduler:
         blocked: list[tuple[Request, int]] = []
         min_need = blocks.num_blocks + 1
         num_admitted = 0
-        while budget > 0 and len(scheduled) < seats:
-            if blocks.num_free_blocks <= (self._admission_reserve()) \
-                    and not getattr(policy, "preempts_running", True):
+        preemptive = getattr(policy, "preempts_running", True)
+        while True:
+            has_room = budget > 0 and len(scheduled) < seats
+            if not has_room and not preemptive:
+                break
+            if not preemptive and blocks.num_free_blocks <= self._admission_reserve():
                 break  # every admission needs at least one fresh block
             request = policy.pop()
             if request is None:
@@ -365,8 +372,14 @@ class Scheduler:
                 self._events.append(self._complete(request, E.REJECT, FinishReason.REJECTED,
                                                    "deadline passed before admission"))
                 continue
-            if len(self.running) >= max_seqs and not self._preempt_for(
-                    request, scheduled, new_block_ids, preempted):
+            # With no seat, budget or running slot left, only a request that may
+            # displace a running one goes on, and only once it has made room.
+            while not has_room or len(self.running) >= max_seqs:
+                if not self._preempt_for(request, scheduled, new_block_ids, preempted):
+                    break
+                budget = config.max_num_batched_tokens - sum(scheduled.values())
+                has_room = budget > 0 and len(scheduled) < seats
+            if not has_room or len(self.running) >= max_seqs:
                 break
             hits = blocks.find_cached_prefix(request)
             num_cached = len(hits) * block_size

@@ -1,0 +1,426 @@
+"""The embedded API: open an engine in a Trio program and stream generations.
+
+    async with open_engine(EngineConfig()) as engine:
+        async for out in engine.generate("Hello", SamplingParams(max_tokens=8)):
+            print(out.text, end="")
+
+`open_engine` starts the executor, builds the scheduling core with the cache
+size the executor reports, and runs the scheduler actor and one request
+actor per request in its own nursery. Leaving the block aborts whatever is
+still live (its consumers get `EngineClosedError`) and shuts the executor down.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, Mapping, Sequence, Union
+
+import attrs
+import trio
+
+from cadence.statemachine.config import CacheConfig, SchedulerConfig
+from cadence.statemachine.errors import (
+    ConfigError, ExecutorError, InvalidRequestError, RequestNotFoundError,
+)
+from cadence.statemachine.request import Request
+from cadence.statemachine.sampling import SamplingParams
+from cadence.statemachine.scheduler import Scheduler
+from cadence.statemachine.stats import StatsSummary
+
+from .detokenizer import ByteTokenizer, TextAssembler, Tokenizer
+from .executor import ExecutorBackend
+from .messages import InitExecutor, OptionValue
+from .request_actor import RequestActor, RequestOutput, RequestResult
+from .scheduler_actor import SchedulerActor, StepListener
+from .simulated import LatencyModel, SimulatedExecutor
+from .trace import TraceRecorder
+
+__all__ = ["EngineConfig", "Engine", "RequestStream", "open_engine", "EXECUTOR_KINDS"]
+
+EXECUTOR_KINDS = ("simulated", "inprocess", "process")
+# The ids the simulated executor draws from when it is paired with the byte
+# tokenizer: printable ASCII, so demo output reads as text.
+_PRINTABLE_IDS = tuple(range(32, 127))
+_CLOSE_TIMEOUT_S = 10.0
+# The simulated executor's vocabulary when no tokenizer says otherwise.
+SIMULATED_VOCAB_SIZE = 32000
+
+Prompt = Union[str, Sequence[int]]
+
+
+def _positive(instance, attribute, value) -> None:
+    if not value > 0:
+        raise ConfigError(f"{attribute.name} must be > 0, got {value!r}")
+
+
+def _non_negative(instance, attribute, value) -> None:
+    if value < 0:
+        raise ConfigError(f"{attribute.name} must be >= 0, got {value!r}")
+
+
+def _executor_kind(instance, attribute, value) -> None:
+    if isinstance(value, str):
+        if value not in EXECUTOR_KINDS:
+            raise ConfigError(f"executor must be one of {', '.join(EXECUTOR_KINDS)} "
+                              f"or an ExecutorBackend, got {value!r}")
+    elif not isinstance(value, ExecutorBackend):
+        raise ConfigError(f"executor must be a name or an ExecutorBackend, got {type(value).__name__}")
+
+
+@attrs.frozen
+class EngineConfig:
+    """Everything `open_engine` needs.
+
+    scheduler, cache: the core's configuration (the cache size is replaced by
+      what the executor reports at start-up).
+    executor: "simulated" (latency model, no weights), "inprocess" (model runner
+      in a worker thread), "process" (in a child process), or a ready
+      `ExecutorBackend` instance (tests pass a SimulatedExecutor with faults).
+    model, dtype, device, executor_options: passed to the executor in InitExecutor.
+    latency: the simulated executor's latency model.
+    tokenizer: encodes text prompts and detokenises output; the simulated
+      executor defaults to a byte-level tokenizer. Without one, prompts must be
+      token ids and outputs carry no text.
+    step_timeout_s: a step taking longer counts as an executor failure.
+    start_timeout_s: most seconds a (re)start of the executor may take.
+    max_restarts, restart_window_s: more than max_restarts failures within the
+      window fail every live request and close the engine.
+    plan_ahead: plan step N+1 while step N runs when that cannot split the batch.
+    trace_path, record_trace: write the event trace as JSON lines to a file,
+      and/or keep it in memory (`engine.trace.records`).
+    seed: the executor's seed.
+    """
+
+    scheduler: SchedulerConfig = attrs.field(factory=SchedulerConfig)
+    cache: CacheConfig = attrs.field(factory=CacheConfig)
+    executor: Union[str, ExecutorBackend] = attrs.field(default="simulated", validator=_executor_kind)
+    model: str = "simulated"
+    dtype: str = "auto"
+    device: str = "auto"
+    executor_options: Mapping[str, OptionValue] = attrs.field(factory=dict)
+    latency: LatencyModel = attrs.field(factory=LatencyModel)
+    tokenizer: Tokenizer | None = None
+    step_timeout_s: float = attrs.field(default=60.0, validator=_positive)
+    start_timeout_s: float = attrs.field(default=600.0, validator=_positive)
+    max_restarts: int = attrs.field(default=3, validator=_non_negative)
+    restart_window_s: float = attrs.field(default=300.0, validator=_positive)
+    plan_ahead: bool = True
+    trace_path: str | None = None
+    record_trace: bool = False
+    seed: int = 0
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
+        """Build from flat keywords: EngineConfig fields, plus any SchedulerConfig or
+        CacheConfig field (e.g. max_num_seqs=8, block_size=16)."""
+        own = {f.name for f in attrs.fields(cls)}
+        sched_fields = {f.name for f in attrs.fields(SchedulerConfig)}
+        cache_fields = {f.name for f in attrs.fields(CacheConfig)}
+        top, sched, cache = {}, {}, {}
+        for key, value in kwargs.items():
+            if key in own:
+                top[key] = value
+            elif key in sched_fields:
+                sched[key] = value
+            elif key in cache_fields:
+                cache[key] = value
+            else:
+                raise ConfigError(f"unknown engine option {key!r}")
+        if sched:
+            top["scheduler"] = attrs.evolve(top.get("scheduler", SchedulerConfig()), **sched)
+        if cache:
+            top["cache"] = attrs.evolve(top.get("cache", CacheConfig()), **cache)
+        return cls(**top)
+
+
+class RequestStream:
+    """The deltas of one request, as an async iterator.
+
+    Submission happens on the first iteration (or `await stream.start()`), so
+    validation errors raise there. Leaving the loop early (break, an exception,
+    a cancelled scope) aborts the request and frees its blocks.
+    """
+
+    __slots__ = ("_engine", "_submission", "_actor")
+
+    def __init__(self, engine: Engine, submission: tuple) -> None:
+        self._engine = engine
+        self._submission = submission
+        self._actor: RequestActor | None = None
+
+    @property
+    def request_id(self) -> str | None:
+        """The request's id once submitted."""
+        return self._actor.request_id if self._actor is not None else None
+
+    def enqueue(self) -> RequestStream:
+        """Hand the request to the scheduler now, without waiting for its verdict;
+        a refusal raises from the first iteration (or `start()`). Enqueueing many
+        streams before awaiting any submits them together, in order."""
+        if self._actor is None:
+            actor = self._engine._make_actor(*self._submission)
+            self._engine.scheduler.submit(actor)
+            self._actor = actor
+        return self
+
+    async def start(self) -> RequestStream:
+        """Submit the request and wait until the core accepts it; raises the core's
+        validation error if it refuses."""
+        if self._actor is None:
+            await trio.lowlevel.checkpoint_if_cancelled()
+        actor = self.enqueue()._actor
+        try:
+            await actor.wait_accepted()
+        except BaseException:
+            actor.cancel("cancelled before admission")
+            raise
+        return self
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        actor = self._actor
+        if actor is None or not actor.accepted:
+            await self.start()
+            actor = self._actor
+        try:
+            return await actor.next_output()
+        except StopAsyncIteration:
+            raise
+        except BaseException:
+            actor.cancel()
+            raise
+
+    async def aclose(self) -> None:
+        """Abort the request if it is still running."""
+        if self._actor is not None:
+            self._actor.cancel("closed by the consumer")
+        await trio.lowlevel.checkpoint()
+
+    async def collect(self) -> RequestResult:
+        """Consume the stream and return the request as a whole."""
+        tokens: list[int] = []
+        texts: list[str] = []
+        last = None
+        async for out in self:
+            tokens.extend(out.token_ids)
+            if out.text is not None:
+                texts.append(out.text)
+            last = out
+        actor = self._actor
+        assert last is not None and last.finish_reason is not None
+        return RequestResult(
+            request_id=actor.request_id,
+            prompt_token_ids=list(actor.request.prompt_token_ids),
+            token_ids=tokens,
+            text="".join(texts) if last.text is not None else None,
+            finish_reason=last.finish_reason,
+            detail=last.detail,
+            arrival_s=last.arrival_s,
+            first_token_s=last.first_token_s,
+            finish_s=last.now_s,
+            num_cached_tokens=last.num_cached_tokens,
+        )
+
+    def __del__(self) -> None:
+        # Runs when a consumer breaks out of `async for` and drops the stream.
+        actor = self._actor
+        if actor is not None and not actor.stream_done:
+            try:
+                actor.cancel("consumer went away")
+            except Exception:
+                # A finaliser may run anywhere (after the Trio run, at interpreter exit),
+                # where there is nothing left to abort and nothing to raise to.
+                pass
+
+
+class Engine:
+    """A running engine: submit requests, stream their outputs, abort them.
+
+    Create it with `open_engine`; every method must be called from a task of
+    the Trio run that opened it.
+    """
+
+    def __init__(self, config: EngineConfig, scheduler: SchedulerActor,
+                 tokenizer: Tokenizer | None, eos_token_ids: frozenset[int], vocab_size: int,
+                 trace: TraceRecorder | None) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
+        self.trace = trace
+        self._num_ids = 0
+
+    @property
+    def core(self):
+        """The scheduling core, for inspection only (the scheduler actor owns it)."""
+        return self.scheduler.core
+
+    @property
+    def closed(self) -> bool:
+        """Whether the engine refuses new requests."""
+        return self.scheduler.closed_reason is not None
+
+    def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        tenant: str = "default",
+        deadline_s: float | None = None,
+        request_id: str | None = None,
+        timeout_s: float | None = None,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
+        """Stream a request's `RequestOutput` deltas: `async for out in engine.generate(...)`.
+
+        prompt: text (needs a tokenizer) or token ids. priority: lower runs first
+        (under priority policies). deadline_s: seconds from now, for the deadline
+        policy. timeout_s: the request is aborted (detail "timeout") after this many
+        seconds. Validation errors raise on the first iteration.
+        """
+        return RequestStream(self, (prompt, params, priority, tenant, deadline_s, request_id,
+                                    timeout_s, cache_salt))
+
+    async def submit(self, prompt: Prompt, params: SamplingParams | None = None, **options) -> RequestStream:
+        """Like `generate`, but submits at once: raises here if the request is refused."""
+        return await self.generate(prompt, params, **options).start()
+
+    async def abort(self, request_id: str, detail: str = "aborted") -> None:
+        """Abort a live request; its stream ends with finish_reason "abort".
+
+        Raises RequestNotFoundError if no live request has this id.
+        """
+        if request_id not in self.scheduler.actors:
+            raise RequestNotFoundError(f"no live request with id {request_id!r}")
+        self.scheduler.abort_nowait(request_id, detail)
+        await trio.lowlevel.checkpoint()
+
+    def stats(self) -> StatsSummary:
+        """The scheduling core's counters."""
+        return self.scheduler.core.stats()
+
+    async def wait_idle(self) -> None:
+        """Wait until every submitted request has completed."""
+        await self.scheduler.wait_idle()
+
+    # ---- internals -------------------------------------------------------------
+    def _make_actor(self, prompt, params, priority, tenant, deadline_s, request_id, timeout_s,
+                    cache_salt) -> RequestActor:
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        tokenizer = self.tokenizer
+        token_ids = self._prompt_ids(prompt)
+        if params.stop and tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; this engine has none")
+        if timeout_s is not None and not timeout_s > 0:
+            raise InvalidRequestError(f"timeout_s must be > 0, got {timeout_s!r}")
+        if deadline_s is not None and not math.isfinite(deadline_s):
+            raise InvalidRequestError(f"deadline_s must be finite, got {deadline_s!r}")
+        if request_id is None:
+            request_id = f"req-{self._num_ids}"
+            self._num_ids += 1
+        now = trio.current_time()
+        request = Request(
+            request_id, token_ids, params.limits(self.eos_token_ids), priority=priority,
+            tenant=tenant, deadline_s=None if deadline_s is None else now + deadline_s,
+            arrival_s=now, cache_salt=cache_salt)
+        assembler = None
+        if tokenizer is not None:
+            assembler = TextAssembler(tokenizer, token_ids, params.stop,
+                                      params.include_stop_str_in_output)
+        return RequestActor(request, params, self.scheduler.abort_nowait, assembler, timeout_s)
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("text prompts need a tokenizer; pass token ids instead")
+            return list(self.tokenizer.encode(prompt))
+        token_ids = list(prompt)
+        vocab = self.vocab_size
+        for token in token_ids:
+            if type(token) is not int or not 0 <= token < vocab:
+                raise InvalidRequestError(
+                    f"prompt token ids must be ints in [0, {vocab}), got {token!r}")
+        return token_ids
+
+
+def _make_backend(config: EngineConfig, tokenizer: Tokenizer | None) -> ExecutorBackend:
+    kind = config.executor
+    if not isinstance(kind, str):
+        return kind
+    if kind == "simulated":
+        if isinstance(tokenizer, ByteTokenizer):
+            return SimulatedExecutor(config.latency, vocab_size=tokenizer.vocab_size,
+                                     eos_token_id=tokenizer.eos_token_id, seed=config.seed,
+                                     sample_ids=_PRINTABLE_IDS)
+        # Another tokenizer: draw from its vocabulary, so every token decodes.
+        vocab_size = getattr(tokenizer, "vocab_size", None) or SIMULATED_VOCAB_SIZE
+        eos_ids = list(getattr(tokenizer, "eos_token_ids", ()) or ())
+        return SimulatedExecutor(config.latency, vocab_size=vocab_size,
+                                 eos_token_id=eos_ids[0] if eos_ids else None, seed=config.seed)
+    from . import executors  # the real backends pull in the model runner only when chosen
+    if kind == "inprocess":
+        return executors.InProcessExecutor()
+    return executors.ChildProcessExecutor()
+
+
+@asynccontextmanager
+async def open_engine(config: EngineConfig | None = None, *,
+                      on_step: StepListener | None = None) -> AsyncIterator[Engine]:
+    """Start an engine for the duration of an `async with` block.
+
+    on_step(plan, now_s) is called with every non-empty step plan when it is
+    made (a plan made ahead goes to the executor after the step in flight); the
+    CLI's demo prints batches with it.
+    """
+    config = config if config is not None else EngineConfig()
+    tokenizer = config.tokenizer
+    if tokenizer is None and config.executor == "simulated":
+        tokenizer = ByteTokenizer()
+    backend = _make_backend(config, tokenizer)
+    sched_config, cache = config.scheduler, config.cache
+    init = InitExecutor(
+        model=config.model, dtype=config.dtype, device=config.device,
+        num_blocks=cache.num_blocks, block_size=cache.block_size,
+        max_model_len=sched_config.max_model_len,
+        max_num_batched_tokens=sched_config.max_num_batched_tokens,
+        seed=config.seed, options=dict(config.executor_options))
+    trace = None
+    if config.trace_path is not None or config.record_trace:
+        trace = TraceRecorder(config.trace_path, keep=config.record_trace)
+    try:
+        try:
+            with trio.fail_after(config.start_timeout_s):
+                ready = await backend.start(init)
+        except trio.TooSlowError:
+            raise ExecutorError(f"executor did not start within {config.start_timeout_s} s") from None
+        if ready.block_size != cache.block_size:
+            raise ExecutorError(f"executor uses blocks of {ready.block_size} tokens, "
+                                f"the cache config says {cache.block_size}")
+        core = Scheduler(sched_config, attrs.evolve(cache, num_blocks=ready.num_blocks))
+        async with trio.open_nursery() as nursery:
+            scheduler = SchedulerActor(
+                core, backend, init, ready, nursery.start_soon,
+                step_timeout_s=config.step_timeout_s, start_timeout_s=config.start_timeout_s,
+                max_restarts=config.max_restarts, restart_window_s=config.restart_window_s,
+                plan_ahead=config.plan_ahead, trace=trace, on_step=on_step)
+            await nursery.start(scheduler.run)
+            engine = Engine(config, scheduler, tokenizer, frozenset(ready.eos_token_ids),
+                            ready.vocab_size, trace)
+            try:
+                yield engine
+            finally:
+                scheduler.close()
+                nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(_CLOSE_TIMEOUT_S):
+                await backend.aclose()
+        if trace is not None:
+            trace.close()

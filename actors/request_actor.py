@@ -1,0 +1,374 @@
+"""The request actor: one Trio task per request, between the scheduler and the consumer.
+
+The scheduler actor delivers the core's `RequestEvent`s to the actor's mailbox;
+the actor drives its own `RequestFSM` with them (so an illegal sequence across
+the boundary raises `IllegalTransition` at once), turns tokens into text
+(incremental detokenisation, stop strings), enforces the request's timeout,
+and hands `RequestOutput` deltas to whoever consumes the request.
+
+Neither side ever blocks the other. The mailbox is a list the scheduler
+appends to synchronously: it holds at most the events of one request, i.e.
+one per generated token plus one per admission, preemption or executor loss,
+and it is drained whole at every wake-up. The consumer side is a coalescing
+buffer: a slow consumer receives one merged delta instead of many, so what
+waits for it is bounded by the request's own output.
+
+Hand-off: the mailbox is drained, in order and exactly once, by whichever of
+the request's two tasks runs first. When the consumer is already waiting for
+output, the scheduler wakes it directly and it applies the events itself, so
+a token costs one task switch rather than two; otherwise the actor task is
+woken and applies them (enforcing stop strings and coalescing output however
+slow the consumer is). Both run the same synchronous `_drain`, so the FSM,
+text and stop-string handling are the actor's either way; an illegal event
+raises in the consumer and is re-raised by the actor task, failing the engine.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import attrs
+import trio
+from trio.lowlevel import Abort, current_task, reschedule, wait_task_rescheduled
+
+from cadence.statemachine.errors import ExecutorError, IllegalTransition
+from cadence.statemachine.fsm import FinishReason, RequestEventKind, RequestFSM, RequestState
+from cadence.statemachine.plan import RequestEvent
+from cadence.statemachine.request import Request
+from cadence.statemachine.sampling import SamplingParams
+
+from .detokenizer import TextAssembler
+
+__all__ = ["RequestOutput", "RequestResult", "RequestActor"]
+
+_RUNNING = RequestState.RUNNING
+_FAIL = RequestEventKind.FAIL
+_REASON_NAMES = {reason: reason.value for reason in FinishReason}
+
+
+class RequestOutput(NamedTuple):
+    """One streamed delta of a request (immutable).
+
+    token_ids: tokens generated since the previous delta.
+    text: their text (None when the engine has no tokenizer); text that may
+      begin a stop string or an incomplete UTF-8 character is held back.
+    num_tokens: tokens generated so far, this delta included.
+    finish_reason: None until the last delta; then "stop", "length", "abort"
+      or "rejected". detail says more ("timeout", "stop string", ...).
+    arrival_s, first_token_s, now_s: Trio clock times of submission, of the
+      first generated token (None before it) and of this delta.
+    num_cached_tokens: prompt tokens found in the prefix cache at admission.
+    """
+
+    # A named tuple rather than an attrs class: one is built per delta on the
+    # hot path, and a frozen attrs class costs about three times as much to build.
+    request_id: str
+    token_ids: list[int]
+    text: str | None
+    num_tokens: int
+    finish_reason: str | None
+    detail: str
+    arrival_s: float
+    first_token_s: float | None
+    now_s: float
+    num_cached_tokens: int
+
+    @property
+    def finished(self) -> bool:
+        """Whether this is the request's last delta."""
+        return self.finish_reason is not None
+
+
+@attrs.frozen
+class RequestResult:
+    """A finished request as a whole: every token and all of its text."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    detail: str
+    arrival_s: float
+    first_token_s: float | None
+    finish_s: float
+    num_cached_tokens: int
+
+
+class RequestActor:
+    """The per-request task: FSM, text, stop strings, timeout and output buffer.
+
+    `deliver` is called by the scheduler actor (synchronously, never blocks);
+    `next_output` by the consumer; `run` is the actor's own task.
+    """
+
+    __slots__ = (
+        "request", "request_id", "params", "fsm", "deadline_s", "_abort", "_assembler",
+        "_events", "_waiter", "_consumer", "_accepted", "_error", "_out_tokens", "_out_text",
+        "_num_tokens", "_finish_reason", "_detail", "_final_taken", "_abort_sent",
+        "_fault", "first_token_s",
+    )
+
+    def __init__(self, request: Request, params: SamplingParams,
+                 abort: Callable[[str, str], None], assembler: TextAssembler | None = None,
+                 timeout_s: float | None = None) -> None:
+        self.request = request
+        self.request_id = request.request_id
+        self.params = params
+        self.fsm = RequestFSM(request.request_id)
+        self.deadline_s = request.arrival_s + timeout_s if timeout_s is not None else math.inf
+        self._abort = abort
+        self._assembler = assembler
+        self._events: list[RequestEvent] = []
+        self._waiter = None
+        self._consumer = None
+        self._accepted = False
+        self._error: BaseException | None = None
+        self._out_tokens: list[int] = []
+        self._out_text: list[str] | None = [] if assembler is not None else None
+        self._num_tokens = 0
+        self._finish_reason: str | None = None
+        self._detail = ""
+        self._final_taken = False
+        self._abort_sent = False
+        self._fault: IllegalTransition | None = None
+        self.first_token_s: float | None = None
+
+    # ---- scheduler side --------------------------------------------------------
+    def deliver(self, event: RequestEvent) -> None:
+        """Queue one event and wake the task that will apply it: the consumer if it
+        is waiting for output, else the actor task."""
+        self._events.append(event)
+        consumer = self._consumer
+        if consumer is not None:
+            self._consumer = None
+            reschedule(consumer)
+        else:
+            self._wake_actor()
+
+    def accept(self) -> None:
+        """The core accepted the request."""
+        self._accepted = True
+        self._wake_consumer()
+
+    def refuse(self, error: BaseException) -> None:
+        """The request never entered the core: its submitter raises `error`."""
+        self._error = error
+        self._wake_consumer()
+
+    @property
+    def accepted(self) -> bool:
+        """Whether the core accepted the request."""
+        return self._accepted
+
+    @property
+    def withdrawn(self) -> bool:
+        """Whether the consumer gave up before the core accepted the request."""
+        return not self._accepted and self._finish_reason is not None
+
+    def close_stream(self, error: BaseException) -> None:
+        """End the consumer's stream with `error` (engine closing or failed)."""
+        if self._finish_reason is None:
+            self._error = error
+            self._finish_reason = "error"
+        self._wake_consumer()
+
+    @property
+    def finished(self) -> bool:
+        """Whether the actor's FSM reached Completed."""
+        return self.fsm.state is RequestState.COMPLETED
+
+    # ---- the actor task --------------------------------------------------------
+    async def run(self) -> None:
+        """Apply delivered events until the request completes."""
+        try:
+            if self.deadline_s < math.inf:
+                with trio.move_on_at(self.deadline_s):
+                    await self._drive()
+                if not self.finished:
+                    self._end_stream("abort", "timeout")
+                    self._send_abort("timeout")
+            await self._drive()
+        finally:
+            if not self.finished:
+                self._send_abort("cancelled")
+
+    async def _drive(self) -> None:
+        while self.fsm.state is not RequestState.COMPLETED:
+            if self._fault is not None:
+                raise self._fault
+            if not self._events:
+                self._waiter = current_task()
+                await wait_task_rescheduled(self._abort_wait)
+            self._drain()
+
+    def _abort_wait(self, raise_cancel) -> Abort:
+        self._waiter = None
+        return Abort.SUCCEEDED
+
+    def _wake_actor(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            reschedule(waiter)
+
+    def _drain(self) -> None:
+        """Apply every queued event, in order (called by either request-side task)."""
+        events = self._events
+        if events:
+            try:
+                self._apply(events)
+            finally:
+                events.clear()
+
+    def _apply(self, events: list[RequestEvent]) -> None:
+        fsm = self.fsm
+        for event in events:
+            kind = event.transition
+            tokens = event.token_ids
+            if tokens:
+                if fsm.state is not _RUNNING:
+                    raise IllegalTransition(
+                        f"request {self.request_id!r}: tokens arrived while {fsm.state.value}")
+                if self._finish_reason is None:
+                    self._on_tokens(tokens)
+            if kind is None:
+                continue
+            fsm.fire(kind, event.finish_reason)
+            if fsm.state is RequestState.COMPLETED:
+                self._on_complete(event)
+                self._wake_actor()  # so its task ends, if the consumer applied this
+        self._wake_consumer()
+
+    def _on_tokens(self, tokens) -> None:
+        if self.first_token_s is None:
+            self.first_token_s = trio.current_time()
+        assembler = self._assembler
+        if assembler is None:
+            self._out_tokens.extend(tokens)
+            self._num_tokens += len(tokens)
+            return
+        out_tokens, out_text = self._out_tokens, self._out_text
+        for token in tokens:
+            out_tokens.append(token)
+            self._num_tokens += 1
+            text, stopped = assembler.push(token)
+            if text:
+                out_text.append(text)
+            if stopped:
+                self._end_stream("stop", "stop string")
+                self._send_abort("stop string")
+                return
+
+    def _on_complete(self, event: RequestEvent) -> None:
+        if self._finish_reason is not None:
+            return  # the consumer's stream already ended (stop string, timeout, close)
+        reason = event.finish_reason
+        if event.transition is _FAIL:
+            self._error = ExecutorError(event.detail or f"request {self.request_id!r} failed")
+            self._end_stream("error", event.detail)
+            return
+        if reason is FinishReason.STOP or reason is FinishReason.LENGTH:
+            if self._assembler is not None:
+                tail = self._assembler.flush()
+                if tail:
+                    self._out_text.append(tail)
+        self._end_stream(_REASON_NAMES[reason], event.detail)
+
+    def _end_stream(self, reason: str, detail: str) -> None:
+        self._finish_reason = reason
+        self._detail = detail
+        self._wake_consumer()
+
+    def _send_abort(self, detail: str) -> None:
+        if not self._abort_sent:
+            self._abort_sent = True
+            self._abort(self.request_id, detail)
+
+    # ---- consumer side ---------------------------------------------------------
+    def cancel(self, detail: str = "cancelled") -> None:
+        """The consumer gave up: end its stream and abort the request (synchronous,
+        so it is safe in a cancelled or finalising context)."""
+        if self._finish_reason is None:
+            self._end_stream("abort", detail)
+        if self._accepted and not self.finished:
+            self._send_abort(detail)
+        if self._events:
+            self._wake_actor()  # the consumer will not apply them any more
+
+    @property
+    def stream_done(self) -> bool:
+        """Whether the consumer has taken the last delta (or the error)."""
+        return self._final_taken
+
+    async def wait_accepted(self) -> None:
+        """Wait until the core accepted the request; raise why it refused it."""
+        while not self._accepted:
+            if self._error is not None:
+                raise self._error
+            await self._wait_for_output()
+        await trio.lowlevel.checkpoint_if_cancelled()
+
+    def poll_output(self) -> RequestOutput | None:
+        """The next delta if one is ready (everything produced since the last one,
+        merged), else None; raises StopAsyncIteration after the last delta, or the
+        request's error."""
+        if self._events:
+            self._drain_as_consumer()
+        if self._final_taken:
+            raise StopAsyncIteration
+        if self._error is not None:
+            self._final_taken = True
+            raise self._error
+        if self._out_tokens or self._out_text or self._finish_reason is not None:
+            return self._take_output()
+        return None
+
+    async def next_output(self) -> RequestOutput:
+        """Wait for the next delta; raises like `poll_output`."""
+        out = self.poll_output()
+        if out is not None:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            return out
+        while out is None:
+            await self._wait_for_output()
+            out = self.poll_output()
+        return out
+
+    def _drain_as_consumer(self) -> None:
+        try:
+            self._drain()
+        except IllegalTransition as exc:
+            self._fault = exc
+            self._wake_actor()
+            raise
+
+    async def _wait_for_output(self) -> None:
+        self._consumer = current_task()
+        await wait_task_rescheduled(self._abort_consumer_wait)
+
+    def _abort_consumer_wait(self, raise_cancel) -> Abort:
+        self._consumer = None
+        if self._events:
+            self._wake_actor()
+        return Abort.SUCCEEDED
+
+    def _wake_consumer(self) -> None:
+        consumer = self._consumer
+        if consumer is not None:
+            self._consumer = None
+            reschedule(consumer)
+
+    def _take_output(self) -> RequestOutput:
+        tokens, self._out_tokens = self._out_tokens, []
+        text = None
+        if self._out_text is not None:
+            text = "".join(self._out_text)
+            self._out_text.clear()
+        reason = self._finish_reason
+        if reason is not None:
+            self._final_taken = True
+        return RequestOutput(self.request_id, tokens, text, self._num_tokens, reason,
+                             self._detail if reason is not None else "", self.request.arrival_s,
+                             self.first_token_s, trio.current_time(), self.request.num_cached_tokens)

@@ -1,0 +1,116 @@
+"""Executor supervision: crashes, hangs, slow steps, stale answers, failed restarts,
+and giving up after too many failures. Nothing a client submitted may be lost
+while the executor can be restarted; every token must still be the right one."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from cadence.actors import EngineClosedError, ExecutorError, SamplingParams, open_engine
+from cadence.actors.simulated import Fault, FaultPlan
+from engine_helpers import config, text_executor
+
+
+async def run_requests(engine, num_requests: int, max_tokens: int) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+
+    async def one(rid: str) -> None:
+        out = []
+        async for delta in engine.generate(f"prompt {rid}", SamplingParams(max_tokens=max_tokens),
+                                           request_id=rid):
+            out.extend(delta.token_ids)
+            last = delta
+        assert last.finish_reason == "length"
+        tokens[rid] = out
+
+    async with trio.open_nursery() as nursery:
+        for i in range(num_requests):
+            nursery.start_soon(one, f"r{i}")
+    return tokens
+
+
+def expected(executor, rid: str, max_tokens: int) -> list[int]:
+    prompt_len = len(f"prompt {rid}")
+    return [executor.expected_token(rid, prompt_len + k) for k in range(max_tokens)]
+
+
+def events_of(engine, name: str) -> list[str]:
+    return [r["request_id"] for r in engine.trace.records if r["event"] == name]
+
+
+@pytest.mark.parametrize("fault", [Fault.CRASH, Fault.HANG, Fault.DUPLICATE, Fault.STALE])
+async def test_a_failed_step_is_recovered_and_every_token_is_right(autojump_clock, fault):
+    executor = text_executor(faults=FaultPlan(at={1: Fault.SLOW, 3: fault}))
+    async with open_engine(config(executor, step_timeout_s=0.5)) as engine:
+        start = trio.current_time()
+        tokens = await run_requests(engine, 3, 6)
+        elapsed = trio.current_time() - start
+        scheduler = engine.scheduler
+        assert scheduler.num_restarts == 1 and scheduler.num_failures == 1
+        assert not engine.core.requests and engine.core.blocks.num_used_blocks == 0
+    for rid, out in tokens.items():
+        assert out == expected(executor, rid, 6)
+    assert executor.injected == [(1, Fault.SLOW), (3, fault)]
+    assert sorted(events_of(engine, "executor_lost")) == ["r0", "r1", "r2"]
+    assert engine.stats().num_recompute_tokens > 0
+    if fault is Fault.HANG:
+        assert elapsed > 0.5 and "timed out" in scheduler.last_failure
+    if fault in (Fault.DUPLICATE, Fault.STALE):
+        assert scheduler.num_ignored_results == 1
+        assert "answered step" in scheduler.last_failure
+
+
+async def test_a_slow_step_within_the_timeout_is_no_failure(autojump_clock):
+    executor = text_executor(faults=FaultPlan(at={2: Fault.SLOW}, slow_factor=50.0))
+    async with open_engine(config(executor, step_timeout_s=1.0)) as engine:
+        tokens = await run_requests(engine, 2, 4)
+        assert engine.scheduler.num_failures == 0
+    assert all(out == expected(executor, rid, 4) for rid, out in tokens.items())
+
+
+async def test_a_failed_restart_is_retried(autojump_clock):
+    executor = text_executor(faults=FaultPlan(at={2: Fault.CRASH}, fail_starts={1}))
+    async with open_engine(config(executor)) as engine:
+        tokens = await run_requests(engine, 2, 5)
+        assert engine.scheduler.num_failures == 2 and engine.scheduler.num_restarts == 1
+        assert "restart failed" in engine.scheduler.last_failure
+    assert executor.num_starts == 3
+    assert all(out == expected(executor, rid, 5) for rid, out in tokens.items())
+
+
+async def test_failures_spread_beyond_the_window_never_give_up(autojump_clock):
+    crashes = {call: Fault.CRASH for call in range(2, 60, 6)}
+    executor = text_executor(faults=FaultPlan(at=crashes))
+    cfg = config(executor, max_restarts=1, restart_window_s=0.001)
+    async with open_engine(cfg) as engine:
+        tokens = await run_requests(engine, 3, 12)
+        assert engine.scheduler.num_restarts == len([c for c, _ in executor.injected])
+        assert not engine.closed
+    assert all(out == expected(executor, rid, 12) for rid, out in tokens.items())
+
+
+async def test_too_many_failures_fail_every_request_and_close_the_engine(autojump_clock):
+    executor = text_executor(faults=FaultPlan(probabilities={Fault.CRASH: 1.0}))
+    cfg = config(executor, max_restarts=2, restart_window_s=60.0, max_num_seqs=2)
+    errors = {}
+    async with open_engine(cfg) as engine:
+
+        async def one(rid: str) -> None:
+            try:
+                async for _ in engine.generate("hello", SamplingParams(max_tokens=5), request_id=rid):
+                    pass
+            except ExecutorError as exc:
+                errors[rid] = str(exc)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(one, f"r{i}")
+        assert engine.closed
+        assert not engine.core.requests and engine.core.blocks.num_used_blocks == 0
+        with pytest.raises(EngineClosedError, match="failed 3 times"):
+            await engine.submit("again")
+    assert sorted(errors) == ["r0", "r1", "r2", "r3"]
+    assert all("executor failed 3 times" in message for message in errors.values())
+    assert sorted(events_of(engine, "fail")) == ["r0", "r1", "r2", "r3"]
+    assert engine.scheduler.num_restarts == 2
