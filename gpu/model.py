@@ -206,6 +206,13 @@ class CausalLM(nn.Module):
         """Final hidden states [T, hidden_size]; K/V of these tokens are written to `kv_caches`."""
         return self.model(input_ids, positions, kv_caches, meta)
 
+    def set_attention_backend(self, backend: AttentionBackend) -> AttentionBackend:
+        """Make every layer attend through `backend`; returns the backend the first layer used before."""
+        previous = self.model.layers[0].self_attn.backend
+        for layer in self.model.layers:
+            layer.self_attn.backend = backend
+        return previous
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab_size] for hidden states [N, hidden_size]."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -4,11 +4,19 @@ The runner applies each `StepPlan`'s deltas to its persistent batch, flattens
 the scheduled tokens of all requests (prefill chunks and decodes alike) into
 one forward pass, and samples a token for every request whose step reached the
 end of its known tokens.
+
+Per-step host work is kept proportional to the batch, not to its tokens or
+blocks: each request owns a row of a host block table that is written when
+blocks are added, a step's integer inputs are built with a few tensor
+operations and cross to the device in one copy, and pure-decode steps replay a
+CUDA graph (see `cuda_graphs`).
 """
 
 from __future__ import annotations
 
 import time
+from array import array
+from collections.abc import Sequence as SequenceABC
 from itertools import chain
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -22,6 +30,7 @@ from cadence.statemachine.sampling import SamplingParams
 
 from .attention import AttentionMetadata, get_attention_backend
 from .config import ModelConfig
+from .cuda_graphs import DecodeGraphs, DecodeInputs, StagingBuffer, graph_batch_sizes
 from .loader import load_weights
 from .model import build_model, init_random_weights
 from .sampler import Sampler
@@ -34,6 +43,37 @@ DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
+# Cache blocks kept outside the scheduler's range: padding rows of graph batches write here.
+NUM_SCRATCH_BLOCKS = 1
+# Matrix-library workspaces the capture stream allocates, with room to spare.
+GRAPH_WORKSPACE_BYTES = 64 << 20
+# Initial size of the pinned staging buffer of eager steps; it grows on demand.
+INITIAL_STAGING_BYTES = 1 << 20
+
+
+class TokenSlice(SequenceABC):
+    """A read-only window onto a list of token ids, made without copying the list."""
+
+    __slots__ = ("_tokens", "_start", "_stop")
+
+    def __init__(self, tokens: list[int], start: int, stop: int) -> None:
+        self._tokens, self._start, self._stop = tokens, start, stop
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self._tokens[self._start : self._stop][index]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError("token index out of range")
+        return self._tokens[self._start + index]
+
+    def __iter__(self):
+        tokens = self._tokens
+        return (tokens[i] for i in range(self._start, self._stop))
 
 
 @attrs.define(slots=True)
@@ -42,6 +82,11 @@ class CachedRequestState:
 
     token_ids: prompt plus every token sampled so far.
     block_ids: the request's block table; position p lives in block_ids[p // block_size].
+    row: the request's row of the runner's host block table.
+    plain_greedy: greedy with no penalties and no logprobs, so argmax alone samples it.
+    penalised: has a repetition, presence or frequency penalty (the sampler reads its history).
+    num_masked_outputs: outputs before which stop tokens are masked (min_tokens, if
+      the request has any stop token to mask).
     """
 
     request_id: str
@@ -50,6 +95,25 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     sampling_params: SamplingParams
+    row: int = 0
+    plain_greedy: bool = False
+    penalised: bool = False
+    num_masked_outputs: int = 0
+
+
+@attrs.define(slots=True)
+class HostBatch:
+    """One step's flattened inputs on the host, in the layout of `AttentionMetadata`."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    num_decode_seqs: int
 
 
 @attrs.define(slots=True)
@@ -59,6 +123,43 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
+
+
+@attrs.define(slots=True)
+class GpuTimer:
+    """Device time of each step's work, from its input upload to its sampled tokens (CUDA events)."""
+
+    busy_s: float = 0.0
+    num_steps: int = 0
+    _start: torch.cuda.Event | None = None
+
+    def start(self) -> None:
+        """Mark the start of a step's device work on the current stream."""
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._start.record()
+
+    def stop(self) -> None:
+        """Mark the end of the step's device work and add its duration."""
+        if self._start is None:
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        self.busy_s += self._start.elapsed_time(end) / 1e3
+        self.num_steps += 1
+        self._start = None
+
+    def reset(self) -> None:
+        """Forget the totals."""
+        self.busy_s, self.num_steps, self._start = 0.0, 0, None
+
+
+def int64_tensor(values) -> torch.Tensor:
+    """A CPU int64 tensor of Python ints, built from a packed buffer (several times faster than torch.tensor)."""
+    packed = array("q", values)
+    if not packed:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(packed, dtype=torch.int64)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -88,6 +189,11 @@ class ModelRunner:
       random from `seed`.
     dtype: a torch dtype or its name ("bfloat16", "bf16", ...); None or "auto"
       is float32 on CPU and the checkpoint's half precision (else bfloat16) on GPU.
+    max_model_len: longest sequence accepted; None is the model's own limit.
+    use_cuda_graphs: replay CUDA graphs for pure-decode steps of up to
+      `max_num_seqs` sequences; None means on for CUDA with the "triton" backend.
+    pad_decode_batches: run pure-decode steps padded to the graph batch sizes even
+      without graphs (eagerly): the CPU twin of the graph path, for tests and debugging.
     """
 
     def __init__(
@@ -103,11 +209,20 @@ class ModelRunner:
         gpu_memory_utilization: float = 0.9,
         max_num_batched_tokens: int = 8192,
         max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        use_cuda_graphs: bool | None = None,
+        pad_decode_batches: bool = False,
     ) -> None:
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}")
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        if max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_model_len is not None and not 1 <= max_model_len <= model_config.max_model_len:
+            raise ConfigError(
+                f"max_model_len must be in [1, {model_config.max_model_len}] for this model, got {max_model_len}"
+            )
         self.config = model_config
         self.device = resolve_device(device)
         if isinstance(dtype, str) and dtype != "auto":
@@ -118,7 +233,9 @@ class ModelRunner:
             dtype = None
         self.dtype = dtype or default_dtype(model_config, self.device)
         self.block_size = block_size
-        self.max_model_len = model_config.max_model_len
+        self.max_model_len = max_model_len or model_config.max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.use_cuda_graphs = self._resolve_cuda_graphs(use_cuda_graphs, attention_backend)
         self.backend = get_attention_backend(attention_backend)
         self.model = build_model(model_config, self.backend, self.dtype, self.device)
         if weights_path is None:
@@ -126,6 +243,12 @@ class ModelRunner:
         else:
             load_weights(self.model, weights_path)
         self.sampler = Sampler(model_config.eos_token_ids, seed=seed, device=self.device)
+        self._requests: dict[str, CachedRequestState] = {}
+        self._max_blocks_per_seq = -(-self.max_model_len // block_size)
+        self._block_table = torch.zeros(max_num_seqs, self._max_blocks_per_seq, dtype=torch.int32)
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self._staging = StagingBuffer(INITIAL_STAGING_BYTES, self.device) if self.device.type == "cuda" else None
+        self.gpu_timer: GpuTimer | None = None
         if num_blocks is None:
             if self.device.type != "cuda":
                 raise ConfigError("num_blocks is required on CPU (it is profiled only on CUDA)")
@@ -133,8 +256,27 @@ class ModelRunner:
         if num_blocks < 1:
             raise ConfigError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.scratch_block = num_blocks
         self.kv_caches = self._allocate_kv_caches(num_blocks)
-        self._requests: dict[str, CachedRequestState] = {}
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.use_cuda_graphs or pad_decode_batches:
+            with torch.inference_mode():
+                self.decode_graphs = DecodeGraphs(
+                    self.model, self.kv_caches, batch_sizes=graph_batch_sizes(max_num_seqs),
+                    max_blocks_per_seq=self._max_blocks_per_seq, block_size=block_size,
+                    scratch_block=self.scratch_block, device=self.device, capture=self.use_cuda_graphs,
+                )
+
+    def _resolve_cuda_graphs(self, requested: bool | None, attention_backend: str) -> bool:
+        usable = self.device.type == "cuda" and attention_backend == "triton"
+        if requested is None:
+            return usable
+        if requested and not usable:
+            raise ConfigError(
+                f"use_cuda_graphs needs a CUDA device and attention_backend 'triton', "
+                f"got device {self.device.type!r} and backend {attention_backend!r}"
+            )
+        return requested
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, **kwargs) -> ModelRunner:
@@ -164,7 +306,16 @@ class ModelRunner:
 
     def reset(self) -> None:
         """Forget every request (executor restart); cache contents are left as they are."""
+        for state in self._requests.values():
+            self._free_rows.append(state.row)
         self._requests.clear()
+
+    def enable_gpu_timing(self) -> GpuTimer:
+        """Start measuring each step's device time (CUDA only); returns the timer that sums it."""
+        if self.device.type != "cuda":
+            raise ConfigError("GPU timing needs a CUDA device")
+        self.gpu_timer = GpuTimer()
+        return self.gpu_timer
 
     def execute(self, plan: StepPlan, sampling_params: Mapping[str, SamplingParams]) -> StepResult:
         """Apply the plan's deltas, compute its scheduled tokens, sample where a request reached its end."""
@@ -175,49 +326,145 @@ class ModelRunner:
             return StepResult(plan.step_id, {}, None, (time.perf_counter_ns() - start_ns) // 1000)
         # Decodes first, so a backend can treat the first `num_decode_seqs` sequences alike.
         scheduled.sort(key=lambda item: item[1] != 1)
-        inputs = self._build_inputs(
-            [(s.token_ids[s.num_computed_tokens : s.num_computed_tokens + n], s.num_computed_tokens, s.block_ids)
-             for s, n in scheduled]
-        )
-        to_sample: list[tuple[CachedRequestState, int]] = []
-        last_row = -1
-        for state, n in scheduled:
-            last_row += n
-            if state.num_computed_tokens + n == len(state.token_ids):
-                to_sample.append((state, last_row))
-        sampled, logprobs = self._forward_and_sample(inputs, to_sample)
+        sample_seqs = [
+            i for i, (state, n) in enumerate(scheduled)
+            if state.num_computed_tokens + n == len(state.token_ids)
+        ]
+        batch = self._host_batch(scheduled)
+        with torch.inference_mode():
+            if self.gpu_timer is not None:
+                self.gpu_timer.start()
+            graphs = self.decode_graphs
+            if (graphs is not None and batch.num_decode_seqs == len(scheduled)
+                    and len(scheduled) <= graphs.max_batch_size):
+                logits = self._decode_logits(graphs, batch, sample_seqs)
+            else:
+                logits = self._eager_logits(batch, sample_seqs)
+            states = [scheduled[i][0] for i in sample_seqs]
+            tokens, logprobs = self._sample(logits, states) if states else ([], [])
+            if self.gpu_timer is not None:
+                self.gpu_timer.stop()
         for state, n in scheduled:
             state.num_computed_tokens += n
-        order = {rid: i for i, rid in enumerate(plan.num_scheduled_tokens)}
-        sampled = dict(sorted(sampled.items(), key=lambda kv: order[kv[0]]))
-        return StepResult(plan.step_id, sampled, logprobs, (time.perf_counter_ns() - start_ns) // 1000)
-
-    def _forward_and_sample(self, inputs: StepInputs, to_sample):
-        with torch.inference_mode():
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-            if not to_sample:
-                return {}, None
-            rows = torch.tensor([row for _, row in to_sample], device=self.device)
-            logits = self.model.compute_logits(hidden[rows])
-            states = [s for s, _ in to_sample]
-            out = self.sampler(
-                logits,
-                [s.sampling_params for s in states],
-                [s.token_ids[: s.num_prompt_tokens] for s in states],
-                [s.token_ids[s.num_prompt_tokens :] for s in states],
-            )
-        sampled: dict[str, list[int]] = {}
-        logprobs: dict[str, list[list[tuple[int, float]]]] = {}
-        for state, token, token_logprobs in zip(states, out.token_ids, out.logprobs):
+        by_request: dict[str, int] = {}
+        logprobs_by_request: dict[str, list[list[tuple[int, float]]]] = {}
+        for state, token, token_logprobs in zip(states, tokens, logprobs):
             state.token_ids.append(token)
-            sampled[state.request_id] = [token]
+            by_request[state.request_id] = token
             if token_logprobs is not None:
-                logprobs[state.request_id] = [token_logprobs]
-        return sampled, (logprobs or None)
+                logprobs_by_request[state.request_id] = [token_logprobs]
+        sampled = {rid: [by_request[rid]] for rid in plan.num_scheduled_tokens if rid in by_request}
+        return StepResult(
+            plan.step_id, sampled, logprobs_by_request or None, (time.perf_counter_ns() - start_ns) // 1000
+        )
+
+    # ---- one step -----------------------------------------------------------------
+
+    def _host_batch(self, scheduled: Sequence[tuple[CachedRequestState, int]]) -> HostBatch:
+        """Flatten the scheduled tokens of every request (decodes first) into host tensors."""
+        states = [state for state, _ in scheduled]
+        q_lens = [n for _, n in scheduled]
+        starts = [state.num_computed_tokens for state in states]
+        num_seqs = len(states)
+        num_decodes = q_lens.count(1)
+        starts_t = int64_tensor(starts)
+        seq_ids = torch.arange(num_seqs)
+        if num_decodes == num_seqs:
+            input_ids = int64_tensor([s.token_ids[c] for s, c in zip(states, starts)])
+            positions = starts_t
+            seq_of_token = seq_ids
+            query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32)
+            seq_lens = (starts_t + 1).to(torch.int32)
+        else:
+            input_ids = int64_tensor(
+                chain.from_iterable(s.token_ids[c : c + n] for s, c, n in zip(states, starts, q_lens))
+            )
+            q_lens_t = int64_tensor(q_lens)
+            offsets = torch.zeros(num_seqs + 1, dtype=torch.int64)
+            torch.cumsum(q_lens_t, dim=0, out=offsets[1:])
+            seq_of_token = torch.repeat_interleave(seq_ids, q_lens_t)
+            positions = torch.arange(input_ids.shape[0]) - offsets[seq_of_token] + starts_t[seq_of_token]
+            query_start_loc = offsets.to(torch.int32)
+            seq_lens = (starts_t + q_lens_t).to(torch.int32)
+        max_seq_len = max(c + n for c, n in zip(starts, q_lens))
+        width = -(-max_seq_len // self.block_size)
+        rows = int64_tensor([state.row for state in states])
+        block_tables = self._block_table[:, :width].index_select(0, rows)
+        slot_mapping = (
+            block_tables[seq_of_token, positions // self.block_size].long() * self.block_size
+            + positions % self.block_size
+        )
+        return HostBatch(input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
+                         max(q_lens), max_seq_len, num_decodes)
+
+    def _build_inputs(self, seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]]) -> StepInputs:
+        """Device inputs for (new token ids, first position, block table) per sequence, outside any plan."""
+        states = []
+        for i, (tokens, start, table) in enumerate(seqs):
+            state = self._new_state(f"inputs-{i}", [0] * start + list(tokens), start + len(tokens), start,
+                                    PROFILE_SAMPLING)
+            self._append_blocks(state, table)
+            states.append((state, len(tokens)))
+        try:
+            states.sort(key=lambda item: item[1] != 1)
+            inputs, _ = self._send(self._host_batch(states), [])
+        finally:
+            self._free_rows.extend(state.row for state, _ in states)
+        return inputs
+
+    def _send(self, batch: HostBatch, sample_seqs: list[int]) -> tuple[StepInputs, torch.Tensor]:
+        """The batch on the device in one copy, and the token rows of the sampled sequences."""
+        sample_rows = batch.query_start_loc.long()[1:][int64_tensor(sample_seqs)] - 1
+        host = [batch.input_ids, batch.positions, batch.slot_mapping, batch.query_start_loc,
+                batch.seq_lens, batch.block_tables, sample_rows]
+        device = host if self._staging is None else self._staging.send(host)
+        input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables, rows = device
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens,
+            block_tables=block_tables, max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len,
+            num_decode_seqs=batch.num_decode_seqs,
+        )
+        return StepInputs(input_ids, positions, meta), rows
+
+    def _eager_logits(self, batch: HostBatch, sample_seqs: list[int]) -> torch.Tensor | None:
+        """Run the flattened batch through the model; logits of the sampled sequences' last tokens."""
+        inputs, rows = self._send(batch, sample_seqs)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if not sample_seqs:
+            return None
+        return self.model.compute_logits(hidden[rows])
+
+    def _decode_logits(self, graphs: DecodeGraphs, batch: HostBatch, sample_seqs: list[int]) -> torch.Tensor:
+        """Logits of a pure-decode batch through the padded (graph) path, rows of the sampled sequences."""
+        num_seqs = batch.input_ids.shape[0]
+        padded = graphs.prepare(DecodeInputs(
+            batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens, batch.block_tables,
+        ))
+        logits = graphs.run(padded, batch.max_seq_len)
+        if len(sample_seqs) == num_seqs:
+            return logits[:num_seqs]
+        return logits[torch.tensor(sample_seqs, dtype=torch.int64).to(self.device)]
+
+    def _sample(self, logits: torch.Tensor, states: list[CachedRequestState]):
+        """Tokens (and logprobs, None per row where not asked) for logits [len(states), vocab]."""
+        if all(s.plain_greedy and len(s.token_ids) - s.num_prompt_tokens >= s.num_masked_outputs for s in states):
+            return logits.argmax(dim=-1).tolist(), [None] * len(states)
+        prompts, outputs = [], []
+        for s in states:
+            if s.penalised:
+                prompts.append(s.token_ids[: s.num_prompt_tokens])
+                outputs.append(s.token_ids[s.num_prompt_tokens :])
+            else:
+                prompts.append(TokenSlice(s.token_ids, 0, s.num_prompt_tokens))
+                outputs.append(TokenSlice(s.token_ids, s.num_prompt_tokens, len(s.token_ids)))
+        out = self.sampler(logits, [s.sampling_params for s in states], prompts, outputs)
+        return out.token_ids, out.logprobs
+
+    # ---- the persistent batch ----------------------------------------------------
 
     def _apply_deltas(self, plan: StepPlan, sampling_params: Mapping[str, SamplingParams]) -> None:
         for request_id in chain(plan.finished_ids, plan.preempted_ids):
-            self._requests.pop(request_id, None)
+            self._drop(request_id)
         for new in plan.new_requests:
             params = sampling_params.get(new.request_id)
             if params is None:
@@ -227,12 +474,57 @@ class ModelRunner:
                     f"step {plan.step_id}: request {new.request_id!r} has num_computed_tokens "
                     f"{new.num_computed_tokens} but {len(new.token_ids)} tokens"
                 )
-            self._requests[new.request_id] = CachedRequestState(
-                new.request_id, list(new.token_ids), new.num_prompt_tokens,
-                list(new.block_ids), new.num_computed_tokens, params,
-            )
+            self._check_block_ids(plan, new.request_id, new.block_ids)
+            self._drop(new.request_id)
+            state = self._new_state(new.request_id, list(new.token_ids), new.num_prompt_tokens,
+                                    new.num_computed_tokens, params)
+            self._requests[new.request_id] = state
+            self._append_blocks(state, new.block_ids)
         for request_id, block_ids in plan.new_block_ids.items():
-            self._state(plan, request_id).block_ids.extend(block_ids)
+            state = self._state(plan, request_id)
+            self._check_block_ids(plan, request_id, block_ids)
+            self._append_blocks(state, block_ids)
+
+    def _new_state(self, request_id: str, token_ids: list[int], num_prompt_tokens: int,
+                   num_computed_tokens: int, params: SamplingParams) -> CachedRequestState:
+        penalised = (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+                     or params.frequency_penalty != 0.0)
+        has_stops = bool(params.stop_token_ids) or (not params.ignore_eos and bool(self.sampler.eos_token_ids))
+        return CachedRequestState(
+            request_id, token_ids, num_prompt_tokens, [], num_computed_tokens, params,
+            row=self._take_row(),
+            plain_greedy=params.greedy and not penalised and params.logprobs is None,
+            penalised=penalised,
+            num_masked_outputs=params.min_tokens if has_stops else 0,
+        )
+
+    def _drop(self, request_id: str) -> None:
+        state = self._requests.pop(request_id, None)
+        if state is not None:
+            self._free_rows.append(state.row)
+
+    def _take_row(self) -> int:
+        if not self._free_rows:
+            old = self._block_table
+            self._block_table = torch.zeros(2 * old.shape[0], old.shape[1], dtype=old.dtype)
+            self._block_table[: old.shape[0]] = old
+            self._free_rows = list(range(self._block_table.shape[0] - 1, old.shape[0] - 1, -1))
+        return self._free_rows.pop()
+
+    def _append_blocks(self, state: CachedRequestState, block_ids: Sequence[int]) -> None:
+        start = len(state.block_ids)
+        state.block_ids.extend(block_ids)
+        # Blocks past the widest table could hold only positions past max_model_len.
+        stop = min(len(state.block_ids), self._max_blocks_per_seq)
+        if start < stop:
+            self._block_table[state.row, start:stop] = torch.tensor(state.block_ids[start:stop], dtype=torch.int32)
+
+    def _check_block_ids(self, plan: StepPlan, request_id: str, block_ids: Sequence[int]) -> None:
+        if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
+            bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
+            raise ExecutorError(
+                f"step {plan.step_id}: request {request_id!r} uses block ids {bad} outside [0, {self.num_blocks})"
+            )
 
     def _state(self, plan: StepPlan, request_id: str) -> CachedRequestState:
         state = self._requests.get(request_id)
@@ -241,78 +533,59 @@ class ModelRunner:
         return state
 
     def _scheduled_requests(self, plan: StepPlan) -> list[tuple[CachedRequestState, int]]:
+        requests, block_size, max_model_len = self._requests, self.block_size, self.max_model_len
         scheduled = []
         for request_id, n in plan.num_scheduled_tokens.items():
-            state = self._state(plan, request_id)
+            state = requests.get(request_id)
+            if state is None:
+                raise ExecutorError(f"step {plan.step_id}: request {request_id!r} is not in the executor's batch")
             end = state.num_computed_tokens + n
-            where = f"step {plan.step_id}: request {request_id!r}"
-            if n < 1 or end > len(state.token_ids):
-                raise ExecutorError(
-                    f"{where} is scheduled {n} tokens from {state.num_computed_tokens} "
-                    f"but knows only {len(state.token_ids)} tokens"
-                )
-            if end > self.max_model_len:
-                raise ExecutorError(f"{where} reaches {end} tokens, past max_model_len {self.max_model_len}")
-            num_blocks_needed = -(-end // self.block_size)
-            if len(state.block_ids) < num_blocks_needed:
-                raise ExecutorError(
-                    f"{where} needs {num_blocks_needed} blocks for {end} tokens, has {len(state.block_ids)}"
-                )
-            bad = [b for b in state.block_ids[:num_blocks_needed] if not 0 <= b < self.num_blocks]
-            if bad:
-                raise ExecutorError(f"{where} uses block ids {bad} outside [0, {self.num_blocks})")
+            if n < 1 or end > len(state.token_ids) or end > max_model_len or len(state.block_ids) * block_size < end:
+                self._reject_schedule(plan, state, n)
             scheduled.append((state, n))
-        if sum(n for _, n in scheduled) != plan.total_num_scheduled_tokens:
+        total = sum(plan.num_scheduled_tokens.values())
+        if total != plan.total_num_scheduled_tokens:
             raise ExecutorError(
                 f"step {plan.step_id}: total_num_scheduled_tokens is {plan.total_num_scheduled_tokens}, "
-                f"the per-request counts sum to {sum(n for _, n in scheduled)}"
+                f"the per-request counts sum to {total}"
             )
         return scheduled
 
-    def _build_inputs(self, seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]]) -> StepInputs:
-        """Flatten (new token ids, first position, block table) per sequence into one step's inputs."""
-        q_lens = torch.tensor([len(tokens) for tokens, _, _ in seqs], dtype=torch.int32)
-        starts = torch.tensor([start for _, start, _ in seqs], dtype=torch.int64)
-        seq_lens = starts.to(torch.int32) + q_lens
-        query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-        torch.cumsum(q_lens, dim=0, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), q_lens.long())
-        positions = torch.arange(num_tokens) - query_start_loc.long()[seq_of_token] + starts[seq_of_token]
-        blocks_per_seq = [-(-int(n) // self.block_size) for n in seq_lens]
-        block_tables = torch.zeros(len(seqs), max(blocks_per_seq), dtype=torch.int32)
-        for i, ((_, _, table), n) in enumerate(zip(seqs, blocks_per_seq)):
-            block_tables[i, :n] = torch.as_tensor(table[:n], dtype=torch.int32)
-        slot_mapping = (
-            block_tables[seq_of_token, positions // self.block_size].long() * self.block_size
-            + positions % self.block_size
-        )
-        input_ids = torch.tensor(list(chain.from_iterable(tokens for tokens, _, _ in seqs)), dtype=torch.long)
-        to_device = self._to_device
-        meta = AttentionMetadata(
-            slot_mapping=to_device(slot_mapping),
-            query_start_loc=to_device(query_start_loc),
-            seq_lens=to_device(seq_lens),
-            block_tables=to_device(block_tables),
-            max_query_len=int(q_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            num_decode_seqs=int((q_lens == 1).sum()),
-        )
-        return StepInputs(to_device(input_ids), to_device(positions), meta)
+    def _reject_schedule(self, plan: StepPlan, state: CachedRequestState, n: int) -> None:
+        """Raise the ExecutorError that says why `n` tokens cannot be computed for `state` now."""
+        where = f"step {plan.step_id}: request {state.request_id!r}"
+        end = state.num_computed_tokens + n
+        if n < 1 or end > len(state.token_ids):
+            raise ExecutorError(
+                f"{where} is scheduled {n} tokens from {state.num_computed_tokens} "
+                f"but knows only {len(state.token_ids)} tokens"
+            )
+        if end > self.max_model_len:
+            raise ExecutorError(f"{where} reaches {end} tokens, past max_model_len {self.max_model_len}")
+        num_blocks_needed = -(-end // self.block_size)
+        raise ExecutorError(f"{where} needs {num_blocks_needed} blocks for {end} tokens, has {len(state.block_ids)}")
 
-    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cpu":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+    # ---- memory ------------------------------------------------------------------
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         c = self.config
         # Zeroed, not empty: attention multiplies masked-out cache entries by 0, and NaN * 0 is NaN.
         cache = torch.zeros(
-            c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim,
+            c.num_layers, 2, num_blocks + NUM_SCRATCH_BLOCKS, self.block_size, c.num_kv_heads, c.head_dim,
             dtype=self.dtype, device=self.device,
         )
         return [(cache[layer, 0], cache[layer, 1]) for layer in range(c.num_layers)]
+
+    def _graph_pool_bytes(self, max_num_seqs: int) -> int:
+        """A bound on the decode graphs' memory: logits of the largest batch, its activations, library workspaces."""
+        if not self.use_cuda_graphs:
+            return 0
+        c = self.config
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        logits = max_num_seqs * c.vocab_size * (4 + element_size)
+        activations = max_num_seqs * (4 * c.hidden_size + 3 * c.intermediate_size
+                                      + 3 * c.num_heads * c.head_dim) * element_size * 4
+        return logits + activations + GRAPH_WORKSPACE_BYTES
 
     def _profile_num_blocks(self, utilization: float, max_num_batched_tokens: int, max_num_seqs: int) -> int:
         """KV blocks that fit after the peak memory of a largest-step forward and sampling pass."""
@@ -326,22 +599,31 @@ class ModelRunner:
             next_block += n
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
+        self.num_blocks = next_block
         kv_caches = self.kv_caches = self._allocate_kv_caches(next_block)
-        inputs = self._build_inputs([([0] * q, 0, t) for q, t in zip(q_lens, tables)])
-        states = [
-            CachedRequestState(f"profile-{i}", [0] * q, q, t, 0, PROFILE_SAMPLING)
-            for i, (q, t) in enumerate(zip(q_lens, tables))
-        ]
-        offsets = torch.tensor(q_lens).cumsum(0) - 1
-        self._forward_and_sample(inputs, list(zip(states, offsets.tolist())))
+        states = []
+        for i, (q_len, table) in enumerate(zip(q_lens, tables)):
+            state = self._new_state(f"profile-{i}", [0] * q_len, q_len, 0, PROFILE_SAMPLING)
+            self._append_blocks(state, table)
+            states.append(state)
+        scheduled = [(state, state.num_prompt_tokens) for state in states]
+        batch = self._host_batch(scheduled)
+        with torch.inference_mode():
+            logits = self._eager_logits(batch, list(range(num_seqs)))
+            self._sample(logits, states)
+            del logits
+        for state in states:
+            self._free_rows.append(state.row)
         torch.cuda.synchronize(self.device)
-        peak_bytes = torch.cuda.max_memory_allocated(self.device) - self.kv_block_bytes() * next_block
+        num_cache_blocks = next_block + NUM_SCRATCH_BLOCKS
+        peak_bytes = torch.cuda.max_memory_allocated(self.device) - self.kv_block_bytes() * num_cache_blocks
+        peak_bytes += self._graph_pool_bytes(max_num_seqs)
         del self.kv_caches, kv_caches
         torch.cuda.empty_cache()
         free_bytes, total_bytes = torch.cuda.mem_get_info(self.device)
         other_bytes = total_bytes - free_bytes - torch.cuda.memory_reserved(self.device)
         available = total_bytes * utilization - other_bytes - peak_bytes
-        num_blocks = int(available // self.kv_block_bytes())
+        num_blocks = int(available // self.kv_block_bytes()) - NUM_SCRATCH_BLOCKS
         if num_blocks < 1:
             raise ConfigError(
                 f"no GPU memory left for the KV cache: weights and activations peak at "
