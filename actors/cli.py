@@ -25,6 +25,7 @@ from cadence.statemachine.errors import CadenceError
 from cadence.statemachine.plan import StepPlan
 from cadence.statemachine.sampling import SamplingParams
 
+from . import bench, server
 from .engine import EXECUTOR_KINDS, EngineConfig, open_engine
 from .simulated import ZERO_LATENCY, LatencyModel
 
@@ -184,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("check", help="run the formal checks of cadence.spec (arguments pass through)",
                    add_help=False)
+    server.add_serve_parser(sub)
+    bench.add_bench_parser(sub)
     return parser
 
 
@@ -193,6 +196,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["check"]:
         return _check(argv[1:])
     args = build_parser().parse_args(argv)
+    if args.command in ("serve", "bench"):
+        return args.func(args)
     try:
         if args.command == "demo":
             run_demo(DemoConfig(num_requests=args.requests, min_prompt_len=args.min_prompt_len,
