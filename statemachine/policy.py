@@ -129,8 +129,9 @@ class FcfsPolicy(KeyedPolicy):
 class PriorityPolicy(KeyedPolicy):
     """Lower priority value first, aged: a request gains one level per `aging_s`
     seconds waited, so its key priority * aging_s + arrival_s is static and no
-    request waits forever behind later arrivals. Strictly higher-priority waiting
-    requests may preempt running ones."""
+    request waits forever behind later arrivals. A waiting request may preempt a
+    running one of strictly lower priority that it is also ahead of in the aged
+    order."""
 
     name = "priority"
     preempts_running = True
@@ -141,8 +142,11 @@ class PriorityPolicy(KeyedPolicy):
         return (request.priority * self.config.aging_s + request.arrival_s,)
 
     def may_preempt(self, waiting: Request, running: Request) -> bool:
+        """Strictly higher priority, and ahead in the aged order too: a request that
+        has waited its way to the front is not displaced by newer arrivals."""
         return (self.use_priority and self.config.preempt_for_priority
-                and waiting.priority < running.priority)
+                and waiting.priority < running.priority
+                and self.key(waiting) < self.key(running))
 
 
 class StrictPriorityPolicy(PriorityPolicy):

@@ -53,6 +53,7 @@ class Request:
         "num_prompt_tokens", "num_computed_tokens", "num_preemptions", "block_hashes",
         "num_skips", "queue_seq", "first_scheduled_s", "num_cached_tokens",
         "stop_token_set", "finish_detail", "arrival_seq",
+        "admitted_step",
     )
 
     def __init__(
@@ -90,6 +91,8 @@ class Request:
         self.queue_seq = 0
         # Set by the scheduler on arrival: breaks ties between equal arrival times.
         self.arrival_seq = 0
+        # The step that last admitted it: older plans' results no longer apply.
+        self.admitted_step = -1
         self.first_scheduled_s: float | None = None
         self.num_cached_tokens = 0
         limits = self.limits

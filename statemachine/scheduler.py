@@ -263,6 +263,7 @@ class Scheduler:
         if result.step_id != plan.step_id or self._inflight.pop(plan.step_id, None) is not plan:
             return events
         blocks, requests, policy = self.blocks, self.requests, self.policy
+        step_id = plan.step_id
         caching = blocks.enable_prefix_caching
         block_size, num_hashed = blocks.block_size, blocks.num_hashed
         max_model_len = self.config.max_model_len
@@ -272,8 +273,8 @@ class Scheduler:
         any_finished = False
         for rid in plan.num_scheduled_tokens:
             request = requests.get(rid)
-            if request is None or request.fsm.state is not RUNNING:
-                continue
+            if request is None or request.fsm.state is not RUNNING or request.admitted_step > step_id:
+                continue  # gone, or preempted and admitted again since this plan
             if caching and request.num_computed_tokens // block_size > num_hashed[rid]:
                 blocks.cache_full_blocks(request, request.num_computed_tokens)
             tokens = sampled.get(rid)
@@ -372,26 +373,27 @@ class Scheduler:
                 self._events.append(self._complete(request, E.REJECT, FinishReason.REJECTED,
                                                    "deadline passed before admission"))
                 continue
+            hits = blocks.find_cached_prefix(request)
+            num_cached = len(hits) * block_size
+            n = request.num_tokens - num_cached
             # With no seat, budget or running slot left, only a request that may
-            # displace a running one goes on, and only once it has made room.
+            # displace a running one goes on, only if displacing could also make
+            # room for its blocks, and only once it has made room.
             while not has_room or len(self.running) >= max_seqs:
-                if not self._preempt_for(request, scheduled, new_block_ids, preempted):
+                if (not chunking and n > config.max_num_batched_tokens) or not self._preempt_for(
+                        request, hits, scheduled, new_block_ids, preempted):
                     break
                 budget = config.max_num_batched_tokens - sum(scheduled.values())
                 has_room = budget > 0 and len(scheduled) < seats
             if not has_room or len(self.running) >= max_seqs:
                 break
-            hits = blocks.find_cached_prefix(request)
-            num_cached = len(hits) * block_size
-            n = request.num_tokens - num_cached
             if not chunking and n > budget:
                 fits = False
             else:
                 reserve = self._admission_reserve()
                 fits = blocks.allocate(request.request_id, hits, request.num_tokens, reserve)
-                num_needed = blocks.blocks_for(request.num_tokens) - len(hits) + reserve
-                while not fits and self._preempt_for(request, scheduled, new_block_ids, preempted,
-                                                     num_needed):
+                while not fits and self._preempt_for(request, hits, scheduled, new_block_ids,
+                                                     preempted):
                     budget = config.max_num_batched_tokens - sum(scheduled.values())
                     reserve = self._admission_reserve()
                     fits = blocks.allocate(request.request_id, hits, request.num_tokens, reserve)
@@ -438,6 +440,7 @@ class Scheduler:
 
     def _start(self, request: Request, num_cached: int, hits: list[int]) -> None:
         request.fsm.fire(E.ADMIT)
+        request.admitted_step = self.step_id - 1
         request.num_computed_tokens = num_cached
         request.num_skips = 0
         self.running.append(request)
@@ -452,23 +455,35 @@ class Scheduler:
             self.collector.num_waits += 1
         self._events.append(RequestEvent(request.request_id, E.ADMIT))
 
-    def _preempt_for(self, waiting: Request, scheduled, new_block_ids, preempted,
-                     num_blocks_needed: int = 0) -> bool:
-        """Preempt a running request the policy lets `waiting` displace, if any, and
-        only if displacing all such requests could make room for `waiting`."""
+    def _preempt_for(self, waiting: Request, hits: list[int], scheduled, new_block_ids,
+                     preempted) -> bool:
+        """Preempt one running request the policy lets `waiting` displace, but only if
+        displacing all of them would free enough blocks for `waiting` to fit."""
         policy = self.policy
         if not getattr(policy, "preempts_running", True):
             return False
-        candidates = [r for r in self.running if policy.may_preempt(waiting, r)]
-        if not candidates:
+        # Requests admitted in this step came earlier in the policy's order: never victims.
+        step_id = self.step_id - 1
+        candidates = [r for r in self.running
+                      if r.admitted_step != step_id and policy.may_preempt(waiting, r)]
+        if not candidates or not self._room_after_preempting(waiting, hits, candidates):
             return False
-        if num_blocks_needed:
-            tables = self.blocks.tables
-            held = sum(len(tables[r.request_id]) for r in candidates)
-            if held + self.blocks.num_free_blocks < num_blocks_needed:
-                return False
         self._preempt(policy.victim(candidates), scheduled, new_block_ids, preempted)
         return True
+
+    def _room_after_preempting(self, waiting: Request, hits: list[int],
+                               candidates: list[Request]) -> bool:
+        """Whether `waiting` would fit if every candidate released its blocks. A block
+        shared with a request that stays is not freed by preempting the others."""
+        blocks = self.blocks
+        releases: dict[int, int] = {}
+        for r in candidates:
+            for b in blocks.tables[r.request_id]:
+                releases[b] = releases.get(b, 0) + 1
+        freed = {b for b, n in releases.items() if blocks.ref_counts[b] == n}
+        revived = sum(1 for b in hits if b in blocks.evictable or b in freed)
+        need = blocks.blocks_for(waiting.num_tokens) - len(hits) + self._admission_reserve()
+        return need + revived <= blocks.num_free_blocks + len(freed)
 
     def _preempt(self, victim: Request, scheduled, new_block_ids, preempted) -> int:
         """Send a running request back to waiting; return the budget it gives back."""

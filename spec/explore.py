@@ -1,0 +1,533 @@
+"""Exhaustive breadth-first exploration of the real scheduling core at small scope.
+
+The environment is the only source of nondeterminism: requests arrive (from a
+small menu of shapes), clients abort, the executor samples end-of-sequence or
+not for each request it samples, results come back (one or several plans in
+flight), and the executor can be lost. Time is the step counter. From every
+reachable state every move is tried on a copy of the real `Scheduler`; each
+state is checked against the invariants of DESIGN §4 and each move against the
+reference spec (refinement). A violation comes back with the shortest trace
+that reaches it, printed as a runnable test.
+
+States are compared up to renaming (`canonical_key`): request ids by their
+place in the running list and the waiting order, block ids by first use, free
+blocks by count, and times relative to now with gaps between arrivals cut at a
+horizon (see spec/README.md for why that is exact for the built-in policies).
+
+`find_starvation` then searches the state graph for a reachable cycle in which
+one waiting request is never admitted while others keep producing tokens
+(DESIGN §4 item 11).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from typing import Callable, Iterator
+
+import attrs
+
+from cadence.statemachine.config import CacheConfig, SchedulerConfig
+from cadence.statemachine.fsm import RequestEventKind, RequestState
+from cadence.statemachine.policy import FairPolicy, KeyedPolicy
+
+from .harness import Harness
+from .refinement import StepChecker
+
+RUNNING = RequestState.RUNNING
+
+
+@attrs.frozen
+class Shape:
+    """A request the environment may submit: prompt, output limit, priority, tenant."""
+
+    prompt: tuple[int, ...]
+    max_tokens: int
+    priority: int = 0
+    tenant: str = "a"
+    deadline_after_s: float | None = None
+
+    def kwargs(self) -> dict:
+        """The keyword arguments of `Harness.add` for this shape."""
+        out = {"prompt": self.prompt, "max_tokens": self.max_tokens,
+               "priority": self.priority, "tenant": self.tenant}
+        if self.deadline_after_s is not None:
+            out["deadline_after_s"] = self.deadline_after_s
+        return out
+
+
+@attrs.frozen
+class Scope:
+    """The bounds of one exploration.
+
+    max_live: requests live at once (arrivals stop while that many are live).
+    max_inflight: plans in flight; 1 plans and answers a step in one move.
+    time_horizon: gaps between arrival times (and the age of the newest) are
+      cut at this many ticks; None derives it from the configuration.
+    counter_cap: the fair policy's counters may spread this far apart; states
+      beyond are counted as cut and not expanded.
+    """
+
+    name: str = "small"
+    num_blocks: int = 4
+    block_size: int = 2
+    max_num_seqs: int = 2
+    max_num_batched_tokens: int = 4
+    max_model_len: int = 6
+    shapes: tuple[Shape, ...] = (
+        Shape((1, 2, 3), 2, priority=0, tenant="a"),
+        Shape((1, 2, 5), 1, priority=1, tenant="b"),
+        Shape((4,), 2, priority=1, tenant="a"),
+    )
+    max_live: int = 3
+    max_inflight: int = 1
+    eos: bool = True
+    aborts: bool = True
+    executor_loss: bool = True
+    fails: bool = False
+    config_overrides: dict = attrs.field(factory=lambda: {
+        "aging_s": 2.0, "default_deadline_s": 3.0, "starvation_skip_limit": 2,
+        "admission_headroom_steps": 1})
+    time_horizon: int | None = None
+    counter_cap: float = 3.0
+    max_states: int = 2_000_000
+
+    def configs(self, policy: str) -> tuple[SchedulerConfig, CacheConfig]:
+        """The scheduler and cache configuration this scope explores for `policy`."""
+        known = {f.name for f in attrs.fields(SchedulerConfig)}
+        config = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len, policy=policy,
+            **{k: v for k, v in self.config_overrides.items() if k in known})
+        return config, CacheConfig(num_blocks=self.num_blocks, block_size=self.block_size)
+
+    def horizon(self, config: SchedulerConfig) -> int:
+        """Ticks beyond which arrival gaps cannot change any decision of the built-in policies."""
+        if self.time_horizon is not None:
+            return self.time_horizon
+        prios = [s.priority for s in self.shapes]
+        offsets = [s.deadline_after_s for s in self.shapes if s.deadline_after_s is not None]
+        spans = [config.aging_s * (max(prios) - min(prios)), config.default_deadline_s]
+        spans += [abs(o) for o in offsets] + [abs(a - b) for a in offsets for b in offsets]
+        spans += [abs(o - config.default_deadline_s) for o in offsets]
+        return int(max(spans)) + 2
+
+
+SCOPES = {
+    # Plans answered at once; 3 shapes, 3 live requests, 4 blocks of 2 tokens.
+    "small": Scope(),
+    # As small, with two plans in flight (pipelining) and failures.
+    "medium": Scope(name="medium", max_inflight=2, fails=True),
+    # More blocks, seats, shapes and live requests, two plans in flight.
+    "large": Scope(
+        name="large", num_blocks=6, max_num_batched_tokens=6, max_model_len=7,
+        shapes=(Shape((1, 2, 3), 2, priority=0, tenant="a"),
+                Shape((1, 2, 5), 1, priority=1, tenant="b"),
+                Shape((4,), 2, priority=1, tenant="a"),
+                Shape((1, 2, 3, 4, 5), 1, priority=0, tenant="b")),
+        max_live=4, max_inflight=2, fails=True),
+}
+
+
+# ---- canonical form -------------------------------------------------------------------
+def waiting_order(policy) -> list:
+    """The waiting requests in the exact order the policy would consider them."""
+    if isinstance(policy, FairPolicy):
+        return [e[-1] for q in policy.queues.values() for e in q if e[-1].queue_seq == e[0]]
+    return list(policy.ordered())
+
+
+class Cut(Exception):
+    """A state beyond the scope's bounds (not expanded)."""
+
+
+def canonical_key(h: Harness, horizon: int, counter_cap: float = float("inf"),
+                  tenants: frozenset = frozenset()) -> tuple[tuple, list[str]]:
+    """A key equal for states that behave alike up to renaming, and the request
+    ids in canonical order (running list, then waiting order)."""
+    s = h.scheduler
+    running = s.running
+    names = [r.request_id for r in running] + [r.request_id for r in waiting_order(s.policy)]
+    pos = {rid: i for i, rid in enumerate(names)}
+    requests = s.requests
+    now = float(s.step_id)
+    ages, acc, prev = {}, 0.0, now
+    for t in sorted({r.arrival_s for r in requests.values()}, reverse=True):
+        acc += min(prev - t, horizon)
+        ages[t] = acc
+        prev = t
+    bm = s.blocks
+    bname: dict[int, int] = {}
+    for rid in names:
+        for b in bm.tables.get(rid, ()):
+            bname.setdefault(b, len(bname))
+    for b in bm.evictable:
+        bname.setdefault(b, len(bname))
+    reqs = []
+    for rid in names:
+        r = requests[rid]
+        reqs.append((
+            r.fsm.state is RUNNING, r.prompt_token_ids, tuple(r.output_token_ids), r.limits,
+            r.priority, r.tenant, None if r.deadline_s is None else r.deadline_s - r.arrival_s,
+            ages[r.arrival_s], r.num_computed_tokens, r.num_preemptions > 0, r.num_skips,
+            bm.num_hashed.get(rid), tuple(bname[b] for b in bm.tables.get(rid, ())), r.cache_salt,
+            # Whether each plan in flight predates its last admission (its result is stale).
+            tuple(r.admitted_step > f.plan.step_id for f in h.inflight)))
+    blocks = (tuple(bm.block_key[b] for b in bname), tuple(bname[b] for b in bm.evictable),
+              len(bm.free_ids))
+    inflight = tuple((tuple(pos.get(rid, -1) for rid in f.plan.num_scheduled_tokens),
+                      tuple(pos.get(rid, -1) for rid in f.samplers)) for f in h.inflight)
+    # Ties between equal arrival times are broken by arrival order.
+    arrival_order = tuple(pos[r.request_id] for r in sorted(
+        requests.values(), key=lambda r: (r.arrival_s, getattr(r, "arrival_seq", 0))))
+    key = (len(running), tuple(reqs), blocks, inflight, arrival_order,
+           _policy_key(s.policy, pos, counter_cap, tenants), _scheduler_extra(s))
+    return key, names
+
+
+# Scheduler attributes the key above covers, or that never change a decision
+# (statistics, the step counter, the caller's clock).
+_COVERED = frozenset({
+    "config", "cache_config", "policy", "blocks", "requests", "running", "step_id", "now_s",
+    "collector", "num_resume_hit_tokens", "_watermark_blocks", "_finished_ids", "_events",
+    "_inflight", "_deadline_of", "_checker", "_queue_version", "_failed_admission",
+    "_num_arrivals"})
+
+
+def _scheduler_extra(s) -> tuple:
+    """Scheduler state outside the requests, blocks and policy that can change a decision."""
+    failed = getattr(s, "_failed_admission", None)
+    memo = None
+    if failed is not None and failed[0] == getattr(s, "_queue_version", None):
+        memo = tuple(failed[1:])
+    # An attribute this function does not know is kept whole: exact, if perhaps larger.
+    unknown = tuple((k, repr(v)) for k, v in sorted(vars(s).items()) if k not in _COVERED)
+    return (memo, unknown)
+
+
+def _policy_key(policy, pos, cap, tenants) -> tuple:
+    if isinstance(policy, KeyedPolicy) and type(policy).__init__ is KeyedPolicy.__init__:
+        return ()
+    if isinstance(policy, FairPolicy):
+        counters = policy.counters
+        base = min(counters.values()) if counters and tenants <= set(counters) else 0.0
+        rel = tuple(sorted((t, c - base) for t, c in counters.items()))
+        if any(v > cap for _, v in rel):
+            raise Cut(f"virtual counters spread past {cap}")
+        active = tuple(sorted((t, n) for t, n in policy.num_active.items() if n))
+        return (tuple(policy.queues), rel, active)
+    return _generic(vars(policy), pos)
+
+
+def _generic(value, pos):
+    """A hashable image of a user policy's state, requests replaced by their names."""
+    from cadence.statemachine.request import Request
+    if isinstance(value, Request):
+        return ("request", pos.get(value.request_id, -1))
+    if isinstance(value, dict):
+        return tuple((_generic(k, pos), _generic(v, pos)) for k, v in value.items()
+                     if k != "config")
+    if isinstance(value, (list, tuple, deque)):
+        return tuple(_generic(v, pos) for v in value)
+    if isinstance(value, (set, frozenset)):
+        return tuple(sorted(repr(_generic(v, pos)) for v in value))
+    if isinstance(value, (int, float, str, bool, type(None))):
+        return value
+    if isinstance(value, itertools.count):
+        return ()
+    if hasattr(value, "__dict__"):
+        return _generic(vars(value), pos)
+    return repr(value)
+
+
+# ---- moves ------------------------------------------------------------------------------
+# A move names requests by their canonical position in the state it leaves, so
+# the same move applies to any state with the same key.
+Move = tuple
+
+
+def apply_move(h: Harness, move: Move, names: list[str], scope: Scope) -> bool:
+    """Make the move on `h`; False if it changed nothing (a refused submission)."""
+    kind = move[0]
+    if kind == "add":
+        return h.add(None, **scope.shapes[move[1]].kwargs())
+    if kind == "abort":
+        h.abort(names[move[1]])
+    elif kind == "fail":
+        h.fail(names[move[1]])
+    elif kind == "lost":
+        h.executor_lost()
+    elif kind == "schedule":
+        h.schedule()
+    elif kind == "complete":
+        h.complete([names[i] for i in move[1]], 0)
+    elif kind == "step":
+        h.step([names[i] for i in move[1]])
+    return True
+
+
+def _subsets(items: tuple) -> Iterator[tuple]:
+    for n in range(len(items) + 1):
+        yield from itertools.combinations(items, n)
+
+
+# ---- exploration ------------------------------------------------------------------------
+@attrs.define
+class Violation:
+    """An invariant or refinement failure, with the shortest trace that reaches it."""
+
+    problems: list[str]
+    moves: list[Move]
+    code: str = ""
+
+    def __str__(self) -> str:
+        return "\n".join(self.problems) + "\n\n" + self.code
+
+
+@attrs.define
+class Exploration:
+    """The explored state graph of one configuration and what was found in it."""
+
+    scope: Scope
+    policy: str
+    config: SchedulerConfig
+    cache_config: CacheConfig
+    num_states: int = 0
+    num_transitions: int = 0
+    num_cut: int = 0
+    max_depth: int = 0
+    seconds: float = 0.0
+    complete: bool = True
+    violations: list[Violation] = attrs.Factory(list)
+    # Graph, kept for the liveness search: per state its parent, move, number of
+    # running requests and number of live requests; per edge source, target,
+    # move, progress flag and the renaming of the source's requests.
+    parent: list[int] = attrs.Factory(list)
+    move: list[Move] = attrs.Factory(list)
+    num_running: list[int] = attrs.Factory(list)
+    num_live: list[int] = attrs.Factory(list)
+    edges: list[tuple] = attrs.Factory(list)
+
+    def path_to(self, state: int) -> list[Move]:
+        """The moves of the shortest path from the initial state."""
+        out = []
+        while state:
+            out.append(self.move[state])
+            state = self.parent[state]
+        return out[::-1]
+
+    def summary(self) -> str:
+        """One line: policy, scope, states, transitions, depth, cuts, time."""
+        return (f"{self.policy} @ {self.scope.name}: {self.num_states} states, "
+                f"{self.num_transitions} transitions, depth {self.max_depth}, "
+                f"{self.num_cut} cut, {self.seconds:.1f}s")
+
+
+def explore(policy: str = "fcfs", scope: Scope | None = None, *, check_refinement: bool = True,
+            keep_graph: bool = True, stop_at_first: bool = True,
+            make_harness: Callable[[], Harness] | None = None) -> Exploration:
+    """Visit every reachable state of the real core for `policy` within `scope`.
+
+    Every state is checked against the state invariants; every move against the
+    plan budget, the event table and (with `check_refinement`) the reference
+    spec. Violations carry a runnable test reproducing them.
+    """
+    scope = scope or SCOPES["small"]
+    config, cache = scope.configs(policy)
+    make_harness = make_harness or (lambda: Harness(config, cache))
+    result = Exploration(scope, policy, config, cache)
+    horizon = scope.horizon(config)
+    tenants = frozenset(s.tenant for s in scope.shapes)
+    checker = StepChecker(config, cache)
+    started = time.perf_counter()
+
+    def key_of(h):
+        return canonical_key(h, horizon, scope.counter_cap, tenants)
+
+    init = make_harness()
+    key0, _ = key_of(init)
+    index = {key0: 0}
+    result.parent.append(0)
+    result.move.append(("init",))
+    result.num_running.append(0)
+    result.num_live.append(0)
+    depth = [0]
+    frontier = deque([(0, init)])
+    edges = result.edges
+    interned: dict[tuple, tuple] = {}
+
+    def report(src: int, move: Move, problems: list[str]) -> None:
+        moves = result.path_to(src) + [move]
+        result.violations.append(Violation(problems, moves,
+                                           counterexample_test(result, moves, problems)))
+
+    while frontier:
+        src, h = frontier.popleft()
+        key, names = key_of(h)
+        before = checker.state(h) if check_refinement else None
+        for move, h2, problems, progress in _successors(h, names, scope, checker, before):
+            result.num_transitions += 1
+            if problems:
+                report(src, move, problems)
+                if stop_at_first:
+                    result.complete = False
+                    frontier.clear()
+                    break
+                continue
+            try:
+                key2, names2 = key_of(h2)
+            except Cut:
+                result.num_cut += 1
+                continue
+            dst = index.get(key2)
+            if dst is None:
+                state_problems = checker.check_state(h2)
+                if state_problems:
+                    report(src, move, state_problems)
+                    if stop_at_first:
+                        result.complete = False
+                        frontier.clear()
+                        break
+                dst = index[key2] = len(result.parent)
+                result.parent.append(src)
+                result.move.append(move)
+                result.num_running.append(len(h2.scheduler.running))
+                result.num_live.append(len(names2))
+                depth.append(depth[src] + 1)
+                result.max_depth = max(result.max_depth, depth[dst])
+                if len(index) >= scope.max_states:
+                    result.complete = False
+                else:
+                    frontier.append((dst, h2))
+            if keep_graph:
+                where = {rid: i for i, rid in enumerate(names2)}
+                rename = tuple(where.get(rid, -1) for rid in names)
+                rename = interned.setdefault(rename, rename)
+                edges.append((src, dst, move, progress, rename))
+    result.num_states = len(index)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _successors(h: Harness, names: list[str], scope: Scope, checker: StepChecker, before):
+    """Yield (move, new harness, problems, progress) for every move from `h`."""
+    s = h.scheduler
+    live = len(names)
+    check = before is not None
+
+    def after_simple(move, fn):
+        h2 = h.clone(stats=False)
+        if not apply_move(h2, move, names, scope):
+            return None
+        problems = fn(h2) if check else []
+        return move, h2, problems, False
+
+    if live < scope.max_live:
+        for k, shape in enumerate(scope.shapes):
+            def add_check(h2):
+                request = h2.scheduler.requests[f"r{h2.num_added - 1}"]
+                return checker.check_add(before, checker.state(h2), request)
+            got = after_simple(("add", k), add_check)
+            if got is not None:
+                yield got
+    if scope.aborts or scope.fails:
+        kinds = (["abort"] if scope.aborts else []) + (["fail"] if scope.fails else [])
+        for kind in kinds:
+            for i in range(live):
+                yield after_simple((kind, i), lambda h2, i=i: checker.check_remove(
+                    before, checker.state(h2), names[i], h2.last_events))
+    if scope.executor_loss and (s.running or s.blocks.evictable):
+        yield after_simple(("lost",), lambda h2: checker.check_executor_lost(
+            before, checker.state(h2), h2.last_events))
+    if not live and not h.inflight:
+        return
+    if scope.max_inflight == 1:
+        h1 = h.clone(stats=False)
+        plan = h1.schedule()
+        sched_events = h1.last_events
+        mid = checker.state(h1) if check else None
+        problems = checker.check_schedule(h1, before, mid, plan, sched_events) if check else []
+        if plan.is_empty:
+            yield ("step", ()), h1, problems, False
+            return
+        yield from _results(h1, names, scope, checker, mid, problems, "step", len(h1.inflight) - 1)
+        return
+    if live and len(h.inflight) < scope.max_inflight:
+        h1 = h.clone(stats=False)
+        plan = h1.schedule()
+        problems = (checker.check_schedule(h1, before, checker.state(h1), plan, h1.last_events)
+                    if check else [])
+        yield ("schedule",), h1, problems, False
+    if h.inflight:
+        yield from _results(h, names, scope, checker, before, [], "complete", 0)
+
+
+def _results(h, names, scope, checker, before, problems, kind, index):
+    """Every outcome of answering the plan in flight at `index`."""
+    flight = h.inflight[index]
+    where = {rid: i for i, rid in enumerate(names)}
+    # Sampling end-of-sequence for a request already gone changes nothing.
+    live = tuple(rid for rid in flight.samplers if rid in where)
+    choices = list(_subsets(live)) if scope.eos else [()]
+    for n, eos in enumerate(choices):
+        # The last outcome may consume `h` itself when it is a private copy.
+        h2 = h if (n == len(choices) - 1 and kind == "step") else h.clone(stats=False)
+        events = h2.complete(eos, index)
+        out = list(problems)
+        if before is not None:
+            sampled = {rid: [0 if rid in eos else 1] for rid in flight.samplers}
+            out += checker.check_update(before, checker.state(h2), flight.plan.step_id,
+                                        sampled, events)
+        progress = any(e.token_ids or e.transition is RequestEventKind.FINISH for e in events)
+        yield (kind, tuple(sorted(where[r] for r in eos))), h2, out, progress
+
+
+# ---- counterexamples --------------------------------------------------------------------
+def replay(exploration: Exploration, moves: list[Move], *, checked: bool = True):
+    """Replay canonical moves on a fresh harness; return it and the calls made, as code lines."""
+    from .refinement import CheckedHarness
+    scope = exploration.scope
+    config, cache = exploration.config, exploration.cache_config
+    h = CheckedHarness(config, cache) if checked else Harness(config, cache)
+    horizon = scope.horizon(config)
+    lines = []
+    for move in moves:
+        _, names = canonical_key(h, horizon)
+        lines.append(_call(h, move, names, scope))
+        try:
+            apply_move(h, move, names, scope)
+        except AssertionError:
+            break
+    return h, lines
+
+
+def _call(h: Harness, move: Move, names: list[str], scope: Scope) -> str:
+    kind = move[0]
+    if kind == "add":
+        args = ", ".join(f"{k}={v!r}" for k, v in scope.shapes[move[1]].kwargs().items())
+        return f"h.add({h.fresh_id()!r}, {args})"
+    if kind in ("abort", "fail"):
+        return f"h.{kind}({names[move[1]]!r})"
+    if kind == "lost":
+        return "h.executor_lost()"
+    if kind == "schedule":
+        return "h.schedule()"
+    return f"h.{kind}(eos={[names[i] for i in move[1]]!r})"
+
+
+def counterexample_test(exploration: Exploration, moves: list[Move], problems: list[str]) -> str:
+    """A pytest function that rebuilds the trace against the real `Scheduler`; each
+    move is checked by `CheckedHarness`, so the test fails where the explorer did."""
+    _, lines = replay(exploration, moves, checked=False)
+    head = [
+        "from cadence.statemachine.config import CacheConfig, SchedulerConfig",
+        "from cadence.spec.refinement import CheckedHarness",
+        "",
+        "",
+        f"def test_{exploration.policy.replace('-', '_').replace(':', '_').replace('.', '_')}"
+        "_counterexample():",
+        f'    """Found by the explorer: {problems[0][:100]!s}"""'.replace('\\', '\\\\'),
+        f"    h = CheckedHarness({exploration.config!r}, {exploration.cache_config!r})",
+    ]
+    return "\n".join(head + [f"    {line}" for line in lines] + [""])

@@ -1,0 +1,354 @@
+"""A driver for the real scheduling core, playing clients and executor.
+
+`Harness` wraps a `cadence.statemachine.scheduler.Scheduler` and offers the
+moves an environment can make: add, abort or fail a request, plan a step,
+deliver a plan's result (choosing which sampled tokens are end-of-sequence),
+lose the executor. The explorer, the Hypothesis state machines and every
+counterexample the checkers print use these same moves, so a printed trace
+replays exactly what was checked.
+
+Time is the step counter: a request added before plan k arrives at `k`, and
+plan k is made at `now_s = k`.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import operator
+from typing import Iterable, Sequence
+
+import attrs
+
+from cadence.statemachine.config import CacheConfig, SchedulerConfig
+from cadence.statemachine.errors import InvalidRequestError, QueueFullError
+from cadence.statemachine.fsm import RequestEventKind
+from cadence.statemachine.plan import StepPlan, StepResult
+from cadence.statemachine.policy import FairPolicy, KeyedPolicy, SchedulingPolicy
+from cadence.statemachine.request import Request, SamplingLimits
+from cadence.statemachine.scheduler import Scheduler
+
+from .trace import TraceRecorder
+
+EOS_TOKEN = 0
+"""The token the harness samples for a request chosen to stop."""
+TOKEN = 1
+"""The token the harness samples otherwise."""
+
+
+class InFlight:
+    """A plan handed to the executor and not yet answered.
+
+    `samplers` are the requests whose scheduled chunk reaches the end of their
+    tokens, so the executor samples one token for each of them.
+    """
+
+    __slots__ = ("plan", "samplers")
+
+    def __init__(self, plan: StepPlan, samplers: tuple[str, ...]) -> None:
+        self.plan = plan
+        self.samplers = samplers
+
+
+class Harness:
+    """The real scheduler plus the environment's view of it (plans in flight, ids, trace).
+
+    `record=True` keeps a trace in the format `cadence.spec.trace` validates.
+    """
+
+    def __init__(self, config: SchedulerConfig | None = None,
+                 cache_config: CacheConfig | None = None,
+                 policy: SchedulingPolicy | None = None, *, record: bool = False) -> None:
+        self.scheduler = Scheduler(config, cache_config, policy)
+        self.inflight: list[InFlight] = []
+        self.num_added = 0
+        self.recorder: TraceRecorder | None = TraceRecorder() if record else None
+        self.last_events: list = []
+
+    # ---- queries -----------------------------------------------------------------
+    @property
+    def tick(self) -> int:
+        """The time (and step id) of the next plan."""
+        return self.scheduler.step_id
+
+    @property
+    def records(self) -> list[dict]:
+        """The trace recorded so far (empty when not recording)."""
+        return self.recorder.records if self.recorder is not None else []
+
+    def state_of(self, request_id: str) -> str:
+        """'pending', 'running', or 'gone' once the request completed."""
+        request = self.scheduler.requests.get(request_id)
+        return "gone" if request is None else request.state.value
+
+    def violations(self) -> list[str]:
+        """Every state invariant of DESIGN §4 that fails now."""
+        from .invariants import violations
+        return violations(self.scheduler)
+
+    def fresh_id(self) -> str:
+        """An id no request of this harness has used."""
+        return f"r{self.num_added}"
+
+    # ---- moves -------------------------------------------------------------------
+    def add(self, request_id: str | None = None, prompt: Sequence[int] = (1, 2, 3),
+            max_tokens: int = 2, *, priority: int = 0, tenant: str = "a",
+            deadline_after_s: float | None = None, min_tokens: int = 0,
+            ignore_eos: bool = False) -> bool:
+        """Submit a request arriving now; False (nothing changes) if the core refuses it.
+
+        `deadline_after_s` sets an explicit deadline relative to arrival.
+        """
+        rid = self.fresh_id() if request_id is None else request_id
+        limits = SamplingLimits(max_tokens=max_tokens, min_tokens=min_tokens,
+                                ignore_eos=ignore_eos, eos_token_ids=frozenset({EOS_TOKEN}))
+        now = float(self.tick)
+        deadline = None if deadline_after_s is None else now + deadline_after_s
+        request = Request(rid, list(prompt), limits, priority=priority, tenant=tenant,
+                          deadline_s=deadline, arrival_s=now)
+        self.num_added += 1
+        try:
+            self.scheduler.add_request(request)
+        except (QueueFullError, InvalidRequestError):
+            return False
+        self._record(self.tick, rid, "add", prompt_len=len(prompt), max_tokens=max_tokens,
+                     priority=priority, tenant=tenant)
+        return True
+
+    def abort(self, request_id: str) -> None:
+        """A client cancels a live request."""
+        event = self.scheduler.abort_request(request_id)
+        self.last_events = [event]
+        self._record_events(self.tick, [event])
+
+    def fail(self, request_id: str) -> None:
+        """The executor reports that a live request failed."""
+        event = self.scheduler.fail_request(request_id, "executor error")
+        self.last_events = [event]
+        self._record_events(self.tick, [event])
+
+    def executor_lost(self) -> None:
+        """The executor dies: plans in flight are void."""
+        events = self.scheduler.executor_lost()
+        self.inflight.clear()
+        self.last_events = events
+        self._record_events(self.tick, events)
+
+    def schedule(self) -> StepPlan:
+        """Plan the next step at `now_s = tick` and hand it to the executor."""
+        s = self.scheduler
+        plan = s.schedule(float(s.step_id))
+        requests = s.requests
+        samplers = tuple(rid for rid in plan.num_scheduled_tokens
+                         if requests[rid].num_computed_tokens >= requests[rid].num_tokens)
+        if not plan.is_empty:
+            self.inflight.append(InFlight(plan, samplers))
+        self.last_events = s.take_events()
+        self._record_events(plan.step_id, self.last_events)
+        return plan
+
+    def complete(self, eos: Iterable[str] = (), index: int = 0) -> list:
+        """Deliver the result of the `index`-th oldest plan in flight; requests in
+        `eos` sample the end-of-sequence token, the others a plain one."""
+        flight = self.inflight.pop(index)
+        stop = set(eos)
+        sampled = {rid: [EOS_TOKEN if rid in stop else TOKEN] for rid in flight.samplers}
+        events = self.scheduler.update(flight.plan, StepResult(flight.plan.step_id, sampled))
+        self.last_events = events
+        self._record_events(flight.plan.step_id, events)
+        return events
+
+    def step(self, eos: Iterable[str] = ()) -> StepPlan:
+        """Plan a step and deliver its result at once (no pipelining)."""
+        plan = self.schedule()
+        before = self.last_events
+        if not plan.is_empty:
+            self.complete(eos, len(self.inflight) - 1)
+            self.last_events = before + self.last_events
+        return plan
+
+    def run_until_idle(self, max_steps: int = 1000) -> int:
+        """Step with no end-of-sequence tokens until no request is live; return the steps taken."""
+        for n in itertools.count():
+            if not self.scheduler.has_work() or n >= max_steps:
+                return n
+            self.step()
+        raise AssertionError("unreachable")
+
+    # ---- snapshots ---------------------------------------------------------------
+    def clone(self, *, stats: bool = True) -> "Harness":
+        """An independent copy, much faster than `copy.deepcopy` (`stats=False`:
+        the statistics collector is shared, see `clone_scheduler`)."""
+        new = Harness.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.scheduler = clone_scheduler(self.scheduler, stats=stats)
+        new.inflight = list(self.inflight)  # InFlight and plans are never mutated
+        new.num_added = self.num_added
+        new.recorder = None
+        if self.recorder is not None:
+            new.recorder = copy.copy(self.recorder)
+            new.recorder.records = list(self.recorder.records)
+        new.last_events = []
+        return new
+
+    # ---- trace -------------------------------------------------------------------
+    def _record(self, step: int, rid: str, event: str, reason: str | None = None,
+                tokens: Sequence[int] = (), **extra) -> None:
+        if self.recorder is not None:
+            self.recorder.record(float(self.tick), step, rid, event, reason, list(tokens), **extra)
+
+    def _record_events(self, step: int, events: list) -> None:
+        if self.recorder is None:
+            return
+        for e in events:
+            if e.token_ids:
+                self._record(step, e.request_id, "tokens", tokens=e.token_ids)
+            if e.transition is None:
+                continue
+            name = _EVENT_NAMES[e.transition]
+            reason = e.finish_reason.value if e.finish_reason is not None else None
+            self._record(step, e.request_id, name, reason)
+
+
+_EVENT_NAMES = {
+    RequestEventKind.ADMIT: "admit",
+    RequestEventKind.PREEMPT: "preempt",
+    RequestEventKind.FINISH: "finish",
+    RequestEventKind.ABORT: "abort",
+    RequestEventKind.REJECT: "reject",
+    RequestEventKind.FAIL: "fail",
+    RequestEventKind.EXECUTOR_LOST: "executor_lost",
+}
+
+# Scheduler attributes `clone_scheduler` copies by hand; any other attribute
+# (one the core may gain later) falls back to `copy.deepcopy`.
+_SHARED = frozenset({"config", "cache_config", "step_id", "now_s", "num_resume_hit_tokens",
+                     "_watermark_blocks", "_checker"})
+_HANDLED = _SHARED | {"policy", "blocks", "requests", "running", "collector", "_finished_ids",
+                      "_events", "_inflight", "_deadline_of"}
+
+
+def clone_scheduler(s: Scheduler, *, stats: bool = True) -> Scheduler:
+    """Copy a scheduler: immutable parts shared, mutable ones copied.
+
+    Known structures are copied by hand (about ten times faster than
+    `copy.deepcopy`); anything unknown, a user policy included, is deep-copied
+    with the live requests already mapped to their copies. With `stats=False`
+    the copy shares the statistics collector, which no decision reads.
+    """
+    new = Scheduler.__new__(Scheduler)
+    d, nd = s.__dict__, new.__dict__
+    for name in _SHARED:
+        if name in d:
+            nd[name] = d[name]
+    rmap = {id(r): _clone_request(r) for r in s.requests.values()}
+    nd["requests"] = {rid: rmap[id(r)] for rid, r in s.requests.items()}
+    nd["running"] = [rmap[id(r)] for r in s.running]
+    nd["policy"] = _clone_policy(s.policy, rmap, s.config)
+    nd["blocks"] = _clone_blocks(s.blocks)
+    nd["collector"] = _clone_collector(s.collector) if stats else s.collector
+    nd["_finished_ids"] = list(s._finished_ids)
+    nd["_events"] = list(s._events)
+    nd["_inflight"] = dict(s._inflight)
+    nd["_deadline_of"] = getattr(new.policy, "deadline_of", None)
+    memo = {id(s.config): s.config, id(s.cache_config): s.cache_config}
+    memo.update((k, v) for k, v in rmap.items())
+    for name, value in d.items():
+        if name not in _HANDLED:
+            nd[name] = value if isinstance(value, _IMMUTABLE) else copy.deepcopy(value, memo)
+    return new
+
+
+_IMMUTABLE = (int, float, str, bool, type(None), tuple, frozenset)
+
+
+def _clone_collector(c):
+    new = copy.copy(c)
+    for field in attrs.fields(type(c)):
+        value = getattr(c, field.name)
+        if isinstance(value, (dict, list)):
+            setattr(new, field.name, type(value)(value))
+    return new
+
+
+_REQUEST_SLOTS = tuple(Request.__slots__)
+_get_request_slots = operator.attrgetter(*_REQUEST_SLOTS)
+
+
+def _clone_request(r: Request) -> Request:
+    new = Request.__new__(Request)
+    for name, value in zip(_REQUEST_SLOTS, _get_request_slots(r)):
+        setattr(new, name, value)
+    new.output_token_ids = list(r.output_token_ids)
+    new.all_token_ids = list(r.all_token_ids)
+    new.block_hashes = list(r.block_hashes)
+    new.fsm = _clone_fsm(r.fsm)
+    return new
+
+
+def _clone_fsm(fsm):
+    cls = type(fsm)
+    new = cls.__new__(cls)
+    for name in cls.__slots__:
+        setattr(new, name, getattr(fsm, name))
+    return new
+
+
+def _clone_count(counter: itertools.count) -> itertools.count:
+    # repr is "count(N)"; reading it leaves the original untouched.
+    return itertools.count(int(repr(counter)[6:-1]))
+
+
+def _remap(entry: tuple, rmap: dict) -> tuple:
+    """A queue entry with its request replaced by the copy (entries are tuples
+    whose last element is the request)."""
+    *rest, request = entry
+    return (*rest, rmap.get(id(request), request))
+
+
+def _clone_policy(policy, rmap: dict, config) -> SchedulingPolicy:
+    cls = type(policy)
+    if isinstance(policy, KeyedPolicy) and set(vars(policy)) <= _KEYED_FIELDS:
+        new = cls.__new__(cls)
+        new.__dict__.update(vars(policy))
+        new._heap = [_remap(entry, rmap) for entry in policy._heap]
+        new._seq = _clone_count(policy._seq)
+        return new
+    if isinstance(policy, FairPolicy) and set(vars(policy)) <= _FAIR_FIELDS:
+        new = cls.__new__(cls)
+        new.__dict__.update(vars(policy))
+        new.counters = dict(policy.counters)
+        new.num_active = dict(policy.num_active)
+        new.queues = {t: type(q)(_remap(entry, rmap) for entry in q)
+                      for t, q in policy.queues.items()}
+        new._seq = _clone_count(policy._seq)
+        return new
+    memo = {id(config): config}
+    memo.update(rmap)
+    return copy.deepcopy(policy, memo)
+
+
+_KEYED_FIELDS = frozenset({"config", "use_priority", "_heap", "_count", "_seq"})
+_FAIR_FIELDS = frozenset({"config", "counters", "queues", "num_active", "_count", "_seq"})
+
+
+_BLOCK_FIELDS = frozenset({"num_blocks", "block_size", "enable_prefix_caching", "ref_counts",
+                           "free_ids", "evictable", "block_key", "cached", "tables", "num_hashed",
+                           "num_query_tokens", "num_hit_tokens", "num_evictions"})
+
+
+def _clone_blocks(bm):
+    cls = type(bm)
+    if not set(vars(bm)) <= _BLOCK_FIELDS:
+        return copy.deepcopy(bm)
+    new = cls.__new__(cls)
+    d = dict(vars(bm))
+    d["ref_counts"] = list(bm.ref_counts)
+    d["free_ids"] = list(bm.free_ids)
+    d["evictable"] = dict(bm.evictable)
+    d["block_key"] = list(bm.block_key)
+    d["cached"] = dict(bm.cached)
+    d["tables"] = {rid: list(t) for rid, t in bm.tables.items()}
+    d["num_hashed"] = dict(bm.num_hashed)
+    new.__dict__.update(d)
+    return new

@@ -1,0 +1,401 @@
+"""The reference specification: a deliberately naive model of scheduling and
+block accounting, and the abstraction function from the real core to it.
+
+The model is a set of plain records (`RefState`): live requests with their
+tokens, progress and block tables, and the token prefix each cached block
+holds. It does not schedule anything. For each kind of step it says what
+outcomes are ALLOWED:
+
+- `add`, `abort`, `fail` and `executor_lost` have exactly one allowed outcome,
+  computed here and compared with the core's;
+- a plan (`schedule_problems`) may admit any waiting requests that fit, grow
+  running ones, preempt under memory pressure or for a higher priority, within
+  the budgets, with first-come first-served order inside one class;
+- a result (`update_problems`) appends the sampled tokens to the requests the
+  plan was going to sample, finishing them exactly when a stop token or a
+  length limit says so.
+
+`Abstraction` maps a `cadence.statemachine.scheduler.Scheduler` to a
+`RefState`; "the core refines the spec" means every step of the core, seen
+through it, is an allowed step here (or changes nothing).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import attrs
+
+from cadence.statemachine.blocks import block_keys_for
+from cadence.statemachine.config import CacheConfig, SchedulerConfig
+from cadence.statemachine.fsm import RequestState
+
+PENDING, RUNNING, COMPLETED = "pending", "running", "completed"
+
+# DESIGN §3, written out again on purpose: the tests compare it with the core's table.
+EDGES: dict[tuple[str, str], str] = {
+    (PENDING, "admit"): RUNNING,
+    (PENDING, "abort"): COMPLETED,
+    (PENDING, "reject"): COMPLETED,
+    (PENDING, "fail"): COMPLETED,
+    (RUNNING, "preempt"): PENDING,
+    (RUNNING, "finish"): COMPLETED,
+    (RUNNING, "abort"): COMPLETED,
+    (RUNNING, "fail"): COMPLETED,
+    (RUNNING, "executor_lost"): PENDING,
+}
+REASONS: dict[str, frozenset[str]] = {
+    "finish": frozenset({"stop", "length"}),
+    "abort": frozenset({"abort"}),
+    "reject": frozenset({"rejected"}),
+    "fail": frozenset({"error"}),
+}
+
+
+@attrs.frozen
+class RefRequest:
+    """One live request as the spec sees it."""
+
+    request_id: str
+    phase: str
+    tokens: tuple[int, ...]
+    num_prompt_tokens: int
+    max_tokens: int
+    min_tokens: int
+    stop_tokens: frozenset[int]
+    num_computed_tokens: int
+    priority: int
+    tenant: str
+    arrival_s: float
+    deadline_s: float | None
+    table: tuple[int, ...]
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far."""
+        return len(self.tokens) - self.num_prompt_tokens
+
+
+@attrs.frozen
+class RefState:
+    """Live requests, the prefix each cached block holds, and which in-flight
+    plan will sample each running request's next token."""
+
+    requests: Mapping[str, RefRequest]
+    contents: Mapping[int, tuple[int, ...]]
+    awaiting: Mapping[str, int]
+
+    def held(self) -> dict[int, list[str]]:
+        """Block id -> the requests whose tables hold it."""
+        out: dict[int, list[str]] = {}
+        for r in self.requests.values():
+            for b in r.table:
+                out.setdefault(b, []).append(r.request_id)
+        return out
+
+
+def default_class(r: RefRequest) -> tuple:
+    """Requests in one class must be admitted first come, first served (DESIGN §4.9)."""
+    return (r.priority, r.tenant)
+
+
+def deadline_class(r: RefRequest) -> tuple:
+    """Under earliest-deadline-first only requests with the same slack are ordered by arrival."""
+    slack = None if r.deadline_s is None else r.deadline_s - r.arrival_s
+    return (r.priority, r.tenant, slack)
+
+
+def class_for(policy_name: str) -> Callable[[RefRequest], tuple]:
+    """The class function item 9 uses for a policy."""
+    return deadline_class if policy_name == "deadline" else default_class
+
+
+class Abstraction:
+    """The abstraction function: real `Scheduler` -> `RefState`.
+
+    Cached blocks are identified by chained keys in the core; the spec wants the
+    token prefix a block holds, so this object remembers the prefix behind every
+    key it has seen a live request produce.
+    """
+
+    def __init__(self) -> None:
+        self._prefix: dict = {}
+        self._learned: set = set()
+
+    def __call__(self, s) -> RefState:
+        bs = s.blocks.block_size
+        deadline_of = getattr(s.policy, "deadline_of", None)
+        requests = {}
+        for rid, r in s.requests.items():
+            self._learn(r.all_token_ids, r.cache_salt, bs)
+            lim = r.limits
+            requests[rid] = RefRequest(
+                rid, r.state.value, tuple(r.all_token_ids), r.num_prompt_tokens, lim.max_tokens,
+                lim.min_tokens, r.stop_token_set, r.num_computed_tokens, r.priority, r.tenant,
+                r.arrival_s, deadline_of(r) if deadline_of else r.deadline_s,
+                tuple(s.blocks.tables.get(rid, ())))
+        contents = {}
+        for b, key in enumerate(s.blocks.block_key):
+            if key is not None:
+                contents[b] = self._prefix.get(key, ("unknown", key))
+        awaiting = {}
+        for step_id in sorted(s._inflight):
+            for rid in s._inflight[step_id].num_scheduled_tokens:
+                r = s.requests.get(rid)
+                if r is not None and r.state is RequestState.RUNNING:
+                    awaiting[rid] = step_id
+        awaiting = {rid: k for rid, k in awaiting.items()
+                    if s.requests[rid].num_computed_tokens >= s.requests[rid].num_tokens}
+        return RefState(requests, contents, awaiting)
+
+    def _learn(self, tokens, salt, bs) -> None:
+        mark = (tuple(tokens), salt)
+        if mark in self._learned:
+            return
+        self._learned.add(mark)
+        for i, key in enumerate(block_keys_for(list(tokens), bs, salt)):
+            self._prefix[key] = tuple(tokens[:(i + 1) * bs])
+
+
+class ReferenceSpec:
+    """What each step of the scheduler may do, for one configuration."""
+
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig,
+                 class_of: Callable[[RefRequest], tuple] | None = None) -> None:
+        self.config = config
+        self.num_blocks = cache_config.num_blocks
+        self.block_size = cache_config.block_size
+        self.class_of = class_of or class_for(config.policy)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold `num_tokens` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    # ---- steps with one allowed outcome ---------------------------------------------
+    def add(self, before: RefState, r: RefRequest) -> RefState:
+        """The state after `r` is submitted: queued, or unchanged if it must be refused."""
+        c = self.config
+        total = r.num_prompt_tokens + r.max_tokens
+        waiting = sum(1 for x in before.requests.values() if x.phase == PENDING)
+        if (r.request_id in before.requests or total > c.max_model_len
+                or self.blocks_for(total) > self.num_blocks or waiting >= c.max_waiting):
+            return before
+        return attrs.evolve(before, requests={**before.requests, r.request_id: r})
+
+    def remove(self, before: RefState, request_id: str) -> RefState:
+        """Abort or fail: the request is gone, its blocks are released, cached contents stay."""
+        requests = {k: v for k, v in before.requests.items() if k != request_id}
+        awaiting = {k: v for k, v in before.awaiting.items() if k != request_id}
+        return RefState(requests, before.contents, awaiting)
+
+    def executor_lost(self, before: RefState) -> RefState:
+        """Running requests wait again with nothing computed; every cached block is forgotten."""
+        requests = {k: attrs.evolve(v, phase=PENDING, num_computed_tokens=0, table=())
+                    if v.phase == RUNNING else v for k, v in before.requests.items()}
+        return RefState(requests, {}, {})
+
+    # ---- a plan ------------------------------------------------------------------------
+    def schedule_problems(self, before: RefState, after: RefState, step_id: int,
+                          scheduled: Mapping[str, int], now_s: float) -> list[str]:
+        """Why the step `before` -> `after` with plan `scheduled` is not allowed ([] if it is)."""
+        c = self.config
+        out: list[str] = []
+        admitted, grown, preempted, kept = [], [], [], []
+        for rid, b in before.requests.items():
+            a = after.requests.get(rid)
+            n = scheduled.get(rid, 0)
+            if a is None:
+                late = b.deadline_s is not None and b.deadline_s < now_s
+                if not (b.phase == PENDING and c.reject_late and late):
+                    out.append(f"{rid} disappeared in a plan without being a late rejection")
+                continue
+            if a.tokens != b.tokens:
+                out.append(f"{rid}: tokens changed in a plan")
+            if (b.phase, a.phase) == (RUNNING, RUNNING):
+                grown.append(rid)
+                if a.num_computed_tokens != b.num_computed_tokens + n:
+                    out.append(f"{rid}: computed {b.num_computed_tokens} + scheduled {n} "
+                               f"!= {a.num_computed_tokens}")
+                want = max(len(b.table), self.blocks_for(a.num_computed_tokens))
+                if a.table[:len(b.table)] != b.table or len(a.table) != want:
+                    out.append(f"{rid}: table {b.table} -> {a.table}, expected {want} blocks "
+                               "extending the old table")
+            elif (b.phase, a.phase) == (RUNNING, PENDING):
+                preempted.append(rid)
+                if a.num_computed_tokens or a.table or n:
+                    out.append(f"{rid}: preempted but keeps progress, blocks or a schedule")
+            elif (b.phase, a.phase) == (PENDING, RUNNING):
+                admitted.append(rid)
+                out += self._admission_problems(before, b, a, n)
+            else:
+                kept.append(rid)
+                if a != b:
+                    out.append(f"{rid}: changed while waiting")
+        out += [f"{rid} appeared in a plan" for rid in after.requests if rid not in before.requests]
+        out += self._budget_problems(after, scheduled)
+        out += self._block_problems(before, after, admitted, grown, preempted, scheduled)
+        out += self._order_problems(before, after, admitted, grown, preempted, scheduled)
+        return out
+
+    def _admission_problems(self, before: RefState, b: RefRequest, a: RefRequest, n: int) -> list[str]:
+        bs, rid = self.block_size, b.request_id
+        out = []
+        if len(a.table) != self.blocks_for(len(a.tokens)):
+            out.append(f"{rid}: admitted with {len(a.table)} blocks, its "
+                       f"{len(a.tokens)} tokens need {self.blocks_for(len(a.tokens))}")
+        cached = a.num_computed_tokens - n
+        if n < 1 or cached < 0 or cached % bs or cached > len(a.tokens) - 1:
+            out.append(f"{rid}: admitted with {a.num_computed_tokens} computed after {n} scheduled")
+            return out
+        for i in range(cached // bs):
+            held = before.contents.get(a.table[i])
+            if held != a.tokens[:(i + 1) * bs]:
+                out.append(f"{rid}: prefix hit on block {a.table[i]} holding {held}, "
+                           f"wanted {a.tokens[:(i + 1) * bs]}")
+        if not self.config.enable_chunked_prefill and not self.config.long_prefill_token_threshold:
+            if a.num_computed_tokens != len(a.tokens):
+                out.append(f"{rid}: prompt split although chunked prefill is off")
+        return out
+
+    def _budget_problems(self, after: RefState, scheduled: Mapping[str, int]) -> list[str]:
+        c = self.config
+        out = []
+        if sum(scheduled.values()) > c.max_num_batched_tokens:
+            out.append(f"plan schedules {sum(scheduled.values())} > {c.max_num_batched_tokens} tokens")
+        if len(scheduled) > c.batch_size_limit:
+            out.append(f"plan batches {len(scheduled)} > {c.batch_size_limit} requests")
+        running = [r for r in after.requests.values() if r.phase == RUNNING]
+        if len(running) > c.max_num_seqs:
+            out.append(f"{len(running)} running > max_num_seqs {c.max_num_seqs}")
+        for rid, n in scheduled.items():
+            r = after.requests.get(rid)
+            if r is None or r.phase != RUNNING or n < 1:
+                out.append(f"plan schedules {rid} for {n} tokens but it is not running")
+            elif r.num_computed_tokens > len(r.tokens):
+                out.append(f"{rid}: scheduled past its tokens")
+            elif c.long_prefill_token_threshold and n > c.long_prefill_token_threshold:
+                out.append(f"{rid}: {n} tokens > long_prefill_token_threshold")
+        return out
+
+    def _block_problems(self, before, after, admitted, grown, preempted, scheduled) -> list[str]:
+        bs = self.block_size
+        out = []
+        held_before, held_after = before.held(), after.held()
+        releasable = {b for b, owners in held_before.items()
+                      if all(o in preempted or o not in after.requests for o in owners)}
+        fresh: list[int] = []
+        for rid in admitted:
+            a = after.requests[rid]
+            fresh += a.table[max(0, a.num_computed_tokens - scheduled.get(rid, 0)) // bs:]
+        for rid in grown:
+            fresh += after.requests[rid].table[len(before.requests[rid].table):]
+        if len(set(fresh)) != len(fresh):
+            out.append(f"a block was handed out twice: {sorted(fresh)}")
+        for b in fresh:
+            if b in held_before and b not in releasable:
+                out.append(f"block {b} handed out while {held_before[b]} still hold it")
+        for b, owners in held_after.items():
+            if len(owners) > 1 and any(
+                    after.contents.get(b) != _prefix_at(after.requests[o], b, bs) for o in owners):
+                out.append(f"block {b} shared by {owners} without matching cached contents")
+        expected = {b: p for b, p in before.contents.items() if b not in set(fresh)}
+        if dict(after.contents) != expected:
+            out.append("cached contents changed other than by evicting reused blocks")
+        return out
+
+    def _order_problems(self, before, after, admitted, grown, preempted, scheduled) -> list[str]:
+        c = self.config
+        out = []
+        # Preemption needs memory pressure or a strictly more important admission.
+        if preempted:
+            unheld = self.num_blocks - len(before.held())
+            demand = sum(len(after.requests[r].table) - len(before.requests[r].table) for r in grown)
+            for rid in preempted:
+                p = before.requests[rid]
+                upto = min(len(p.tokens), p.num_computed_tokens + c.max_num_batched_tokens)
+                demand += max(0, self.blocks_for(upto) - len(p.table))
+            by_priority = c.preempt_for_priority and c.enable_priority_scheduling
+            for rid in preempted:
+                p = before.requests[rid]
+                if demand > unheld:
+                    continue
+                if by_priority and any(before.requests[x].priority < p.priority for x in admitted):
+                    continue
+                out.append(f"{rid} preempted with {unheld} blocks free for a demand of {demand} "
+                           "and no more important admission")
+        # DESIGN §4.9: inside one class, a later request overtakes an earlier one only if
+        # the earlier one could not fit where the later one did.
+        for bid in admitted:
+            b_after = after.requests[bid]
+            others = {b for r in after.requests.values() if r.request_id != bid for b in r.table}
+            min_need = sum(1 for blk in b_after.table
+                           if blk not in before.held() and blk not in others)
+            for a in before.requests.values():
+                if (a.phase != PENDING or a.request_id == bid or a.request_id not in after.requests
+                        or after.requests[a.request_id].phase != PENDING
+                        or self.class_of(a) != self.class_of(before.requests[bid])
+                        or not a.arrival_s < b_after.arrival_s):
+                    continue
+                if self.blocks_for(len(a.tokens)) > min_need:
+                    continue
+                if not c.enable_chunked_prefill and len(a.tokens) > scheduled.get(bid, 0):
+                    continue
+                out.append(f"{bid} admitted before {a.request_id} of the same class "
+                           f"{self.class_of(a)}, which arrived earlier and needed no more blocks")
+        # Work conservation: nothing running after a plan while a request waits that
+        # was not preempted by this very plan.
+        if not any(r.phase == RUNNING for r in after.requests.values()):
+            idle = [r for r in after.requests if after.requests[r].phase == PENDING
+                    and r not in preempted]
+            if idle:
+                out.append(f"nothing runs although {idle} wait")
+        return out
+
+    # ---- a result ------------------------------------------------------------------------
+    def update_problems(self, before: RefState, after: RefState, step_id: int,
+                        sampled: Mapping[str, list[int]]) -> list[str]:
+        """Why `before` -> `after` is not the result of plan `step_id` sampling `sampled`."""
+        c, bs = self.config, self.block_size
+        out = []
+        expected: dict[str, RefRequest | None] = {}
+        for rid, r in before.requests.items():
+            tokens = sampled.get(rid)
+            if not tokens or before.awaiting.get(rid) != step_id:
+                expected[rid] = r
+                continue
+            out_tokens = list(r.tokens)
+            done = False
+            for t in tokens:
+                out_tokens.append(t)
+                n_out = len(out_tokens) - r.num_prompt_tokens
+                if (t in r.stop_tokens and n_out >= r.min_tokens) or n_out >= r.max_tokens \
+                        or len(out_tokens) >= c.max_model_len:
+                    done = True
+                    break
+            expected[rid] = None if done else attrs.evolve(r, tokens=tuple(out_tokens))
+        for rid, want in expected.items():
+            got = after.requests.get(rid)
+            if want is None and got is not None:
+                out.append(f"{rid} should have finished, still {got.phase} with {got.tokens}")
+            elif want is not None and got != want:
+                out.append(f"{rid}: after the result of plan {step_id}: {got}, expected {want}")
+        for rid in after.requests:
+            if rid not in before.requests:
+                out.append(f"{rid} appeared in a result")
+        for b, prefix in after.contents.items():
+            if before.contents.get(b, prefix) != prefix:
+                out.append(f"block {b} changed contents in a result")
+            elif b not in before.contents:
+                holders = [r for r in after.requests.values() if b in r.table] or [
+                    before.requests[x] for x in before.requests if b in before.requests[x].table]
+                if not any(_prefix_at(h, b, bs) == prefix
+                           and len(prefix) <= h.num_computed_tokens for h in holders):
+                    out.append(f"block {b} cached as {prefix} which no computed table holds")
+        if any(b not in after.contents for b in before.contents):
+            out.append("a result forgot cached contents")
+        return out
+
+
+def _prefix_at(r: RefRequest, block: int, bs: int):
+    i = r.table.index(block)
+    return r.tokens[:(i + 1) * bs] if (i + 1) * bs <= len(r.tokens) else None

@@ -1,0 +1,188 @@
+"""Hypothesis state machines that drive the real scheduling core.
+
+`SchedulerStateMachine` plays clients and executor at random: submissions with
+shared prefixes, priorities and tenants, aborts, failures, plans (several in
+flight), results with or without end-of-sequence tokens, stale results, and
+executor loss. After every move it checks the invariants of DESIGN §4 and
+that the move refines the reference spec (`cadence.spec.refinement`); at the
+end it validates the recorded trace (`cadence.spec.trace`) and item 9.
+
+It is parameterised by configuration and policy, so a user checks their own
+policy the way they would test a store against a published state machine:
+
+    from cadence.spec.stateful import scheduler_state_machine
+    from cadence.statemachine.config import SchedulerConfig
+
+    TestMyPolicy = scheduler_state_machine(
+        SchedulerConfig(policy="mypkg.policies:MyPolicy", max_num_seqs=4)).TestCase
+
+or subclass `SchedulerStateMachine` and set `config`, `cache_config` and
+`make_policy`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from cadence.statemachine.config import CacheConfig, SchedulerConfig
+from cadence.statemachine.plan import StepResult
+from cadence.statemachine.policy import SchedulingPolicy
+
+from .invariants import fcfs_within_class
+from .refinement import CheckedHarness, _diff
+from .trace import validate_trace
+
+SMALL_CONFIG = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=8, max_model_len=12,
+                               aging_s=3.0, default_deadline_s=6.0, starvation_skip_limit=3,
+                               admission_headroom_steps=1)
+SMALL_CACHE = CacheConfig(num_blocks=7, block_size=2)
+
+# A few shared prefixes so the prefix cache hits, shares and evicts blocks.
+PREFIXES = ((), (1, 2), (1, 2, 3, 4), (5, 6))
+
+
+def state_machine_settings(max_examples: int | None = None) -> settings:
+    """Settings for the scheduler state machines: no deadline, long runs; more
+    and randomised examples with CADENCE_EXPLORE=1."""
+    explore = os.environ.get("CADENCE_EXPLORE") == "1"
+    n = max_examples if max_examples is not None else (2000 if explore else 60)
+    return settings(max_examples=n, stateful_step_count=60 if explore else 40, deadline=None,
+                    derandomize=not explore and bool(os.environ.get("CI")),
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+class SchedulerStateMachine(RuleBasedStateMachine):
+    """Random moves on the real core, each checked against the spec and the invariants.
+
+    Class attributes to override: `config`, `cache_config`, `make_policy` (a
+    callable from config to a policy object, or None to build `config.policy`),
+    `max_inflight`, `priorities`, `tenants`.
+    """
+
+    config: SchedulerConfig = SMALL_CONFIG
+    cache_config: CacheConfig = SMALL_CACHE
+    make_policy: Callable[[SchedulerConfig], SchedulingPolicy] | None = None
+    max_inflight: int = 2
+    priorities: tuple[int, ...] = (0, 1, 2)
+    tenants: tuple[str, ...] = ("a", "b")
+
+    def __init__(self) -> None:
+        super().__init__()
+        factory = type(self).make_policy
+        policy = factory(self.config) if factory is not None else None
+        self.h = CheckedHarness(self.config, self.cache_config, policy, record=True)
+        self.answered: list = []
+
+    # ---- clients -------------------------------------------------------------------
+    @initialize()
+    def start(self) -> None:
+        """Begin with an empty engine."""
+
+    @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(2, 9), min_size=1, max_size=5),
+          max_tokens=st.integers(1, 4), priority=st.data(), tenant=st.data(),
+          deadline=st.one_of(st.none(), st.integers(0, 8)), min_tokens=st.integers(0, 1),
+          ignore_eos=st.booleans())
+    def add(self, prefix, tail, max_tokens, priority, tenant, deadline, min_tokens, ignore_eos):
+        """A client submits a request (refused ones change nothing)."""
+        prio = priority.draw(st.sampled_from(self.priorities))
+        ten = tenant.draw(st.sampled_from(self.tenants))
+        self.h.add(None, prefix + tuple(tail), max_tokens, priority=prio, tenant=ten,
+                   deadline_after_s=deadline, min_tokens=min(min_tokens, max_tokens),
+                   ignore_eos=ignore_eos)
+
+    @precondition(lambda self: self.h.scheduler.requests)
+    @rule(data=st.data(), kind=st.sampled_from(["abort", "abort", "fail"]))
+    def cancel(self, data, kind):
+        """A client aborts a request, or the executor reports it failed."""
+        rid = data.draw(st.sampled_from(sorted(self.h.scheduler.requests)))
+        getattr(self.h, kind)(rid)
+
+    # ---- executor ------------------------------------------------------------------
+    @precondition(lambda self: len(self.h.inflight) < self.max_inflight)
+    @rule()
+    def schedule(self):
+        """Plan a step without answering it yet."""
+        self.h.schedule()
+
+    @precondition(lambda self: self.h.inflight)
+    @rule(data=st.data())
+    def complete(self, data):
+        """Answer one plan in flight, some sampled requests drawing end-of-sequence."""
+        index = data.draw(st.integers(0, len(self.h.inflight) - 1)) if self.max_inflight > 1 else 0
+        flight = self.h.inflight[index]
+        eos = data.draw(st.lists(st.sampled_from(flight.samplers), unique=True)) \
+            if flight.samplers else []
+        self.answered.append(flight.plan)
+        self.h.complete(eos, index)
+
+    @precondition(lambda self: self.answered)
+    @rule(data=st.data())
+    def stale_result(self, data):
+        """A duplicated or late result changes nothing."""
+        plan = data.draw(st.sampled_from(self.answered[-4:]))
+        checker = self.h.checker
+        before = checker.state(self.h)
+        self.h.scheduler.update(plan, StepResult(plan.step_id, {r: [1] for r in plan.num_scheduled_tokens}))
+        problems = _diff("stale result", before, checker.state(self.h))
+        assert not problems, problems
+
+    @rule(eos=st.booleans())
+    def step(self, eos):
+        """Plan a step and answer it at once, the common case."""
+        if len(self.h.inflight) < self.max_inflight:
+            self.h.schedule()
+        if self.h.inflight:
+            flight = self.h.inflight[0]
+            self.answered.append(flight.plan)
+            self.h.complete(flight.samplers[:1] if eos else [], 0)
+
+    @rule(roll=st.integers(0, 3))
+    def executor_lost(self, roll):
+        """The executor dies (on one roll in four, to leave runs time to build up)."""
+        if roll == 0:
+            self.h.executor_lost()
+
+    # ---- whole-run checks ----------------------------------------------------------
+    @invariant()
+    def trace_is_valid(self):
+        """The recorded trace so far is one the spec can take."""
+        # Validating the whole trace each step is quadratic; it is short here.
+        validate_trace(self.h.records, max_model_len=self.config.max_model_len,
+                       max_num_seqs=self.config.max_num_seqs, stop_token_ids={0})
+
+    def teardown(self):
+        """Item 9 over the whole run."""
+        c = self.config
+        found = fcfs_within_class(
+            self.h.records, self.cache_config.block_size,
+            prefix_caching=self.cache_config.enable_prefix_caching,
+            chunked_prefill=c.enable_chunked_prefill,
+            class_of=_trace_class(c.policy))
+        assert not found, found
+
+
+def _trace_class(policy: str):
+    if policy == "deadline":
+        # Deadlines are not in the trace; under earliest-deadline-first only
+        # requests with equal slack would be ordered by arrival.
+        return lambda add: (add["priority"], add["tenant"], add["request_id"])
+    return None
+
+
+def scheduler_state_machine(config: SchedulerConfig | None = None,
+                            cache_config: CacheConfig | None = None,
+                            make_policy: Callable[[SchedulerConfig], SchedulingPolicy] | None = None,
+                            *, max_inflight: int = 2, name: str | None = None,
+                            max_examples: int | None = None) -> type[SchedulerStateMachine]:
+    """A `SchedulerStateMachine` subclass for one configuration; use its `.TestCase`."""
+    attrs_ = {"config": config or SMALL_CONFIG, "cache_config": cache_config or SMALL_CACHE,
+              "make_policy": make_policy, "max_inflight": max_inflight}
+    cls = type(name or f"StateMachine_{(config or SMALL_CONFIG).policy}",
+               (SchedulerStateMachine,), attrs_)
+    cls.TestCase.settings = state_machine_settings(max_examples)
+    return cls

@@ -1,0 +1,40 @@
+"""`cadence check`: exit 0 for a clean policy, 1 with a counterexample otherwise."""
+
+import textwrap
+
+from cadence.spec.check import check_policy, main
+
+
+def test_a_clean_policy_exits_zero(capsys):
+    assert main(["--policy", "deadline", "--no-stateful"]) == 0
+    out = capsys.readouterr().out
+    assert "deadline: CLEAN" in out and "states" in out and "1 clean, 0 with violations" in out
+
+
+def test_strict_priority_starves_with_a_printed_lasso(capsys):
+    assert main(["--policy", "strict-priority", "--no-stateful"]) == 1
+    out = capsys.readouterr().out
+    assert "strict-priority: VIOLATION" in out and "starvation" in out
+    assert "def test_strict_priority_starves_" in out
+
+
+def test_a_user_policy_by_path(tmp_path, monkeypatch, capsys):
+    (tmp_path / "cli_policies.py").write_text(textwrap.dedent("""
+        from cadence.statemachine.policy import KeyedPolicy
+
+        class NewestFirst(KeyedPolicy):
+            name = "newest"
+
+            def key(self, request):
+                return (-request.arrival_s,)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    verdict = check_policy("cli_policies:NewestFirst", liveness=False, stateful=False)
+    assert not verdict.clean
+    assert "same class" in verdict.problems[0]
+    assert "CheckedHarness" in "\n".join(verdict.details)
+
+
+def test_an_unloadable_policy_is_a_violation(capsys):
+    assert main(["--policy", "no_such_module:Nothing", "--no-stateful", "--no-liveness"]) == 1
+    assert "could not be checked" in capsys.readouterr().out
