@@ -1,7 +1,7 @@
 """The `cadence` command line.
 
     cadence demo                 the seed simulation: 15 requests on the simulated executor
-    cadence generate "Hello"     stream a completion (simulated executor unless --model)
+    cadence generate "def "      stream a completion from the built-in demo model
     cadence check ...            the formal checks of cadence.spec
 
 A mistake on the user's side (a bad option value, a prompt that does not fit)
@@ -12,6 +12,7 @@ its traceback.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from typing import Sequence
@@ -92,17 +93,32 @@ def run_demo(config: DemoConfig = DemoConfig(), out=None) -> None:
     trio.run(_demo, config, out, clock=clock)
 
 
+def demo_model_dir() -> str:
+    """The built-in demo model shipped inside the package (found without importing torch)."""
+    spec = importlib.util.find_spec("cadence.gpu")
+    return os.path.join(list(spec.submodule_search_locations)[0], "demo_model")
+
+
+def resolve_model(model: str) -> str:
+    """'demo' is the built-in demo model; anything else is kept as given."""
+    return demo_model_dir() if model == "demo" else model
+
+
 async def _generate(args, out) -> None:
-    tokenizer = _load_tokenizer(args.model) if args.model else None
-    executor = args.executor or ("inprocess" if args.model else "simulated")
+    model = resolve_model(args.model)
+    simulated = model == "simulated"
+    tokenizer = None if simulated else _load_tokenizer(model)
+    executor = args.executor or ("simulated" if simulated else "inprocess")
     config = EngineConfig(
         scheduler=SchedulerConfig(max_model_len=args.max_model_len),
-        executor=executor, model=args.model or "simulated", tokenizer=tokenizer,
+        executor=executor, model=model, tokenizer=tokenizer,
         device=args.device, seed=args.seed,
         latency=LatencyModel() if args.latency else ZERO_LATENCY)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             stop=tuple(args.stop), seed=args.seed)
     prompt = _parse_prompt(args)
+    if isinstance(prompt, str) and tokenizer is not None:
+        out.write(prompt)
     async with open_engine(config) as engine:
         last = None
         async for delta in engine.generate(prompt, params):
@@ -166,15 +182,18 @@ def build_parser() -> argparse.ArgumentParser:
                       help="run on the wall clock instead of virtual time")
 
     gen = sub.add_parser("generate", help="stream a completion for one prompt",
-                         description="Stream a completion. Without --model the simulated executor "
-                                     "answers (random printable text).")
+                         description="Stream a completion. Without --model the built-in demo "
+                                     "model answers (trained on Python source); --model simulated "
+                                     "uses no model at all.")
     gen.add_argument("prompt", help="the prompt text (or token ids with --token-ids)")
     gen.add_argument("--token-ids", action="store_true", help="read the prompt as token ids: '1 2 3'")
     gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
                      help="stop string (repeatable)")
-    gen.add_argument("--model", help="model directory or preset name (default: simulated)")
+    gen.add_argument("--model", default="demo",
+                     help="a model directory, a preset name (random weights), 'demo' for the "
+                          "built-in demo model (default), or 'simulated' for no model")
     gen.add_argument("--executor", choices=EXECUTOR_KINDS,
                      help="where the model runs (default: inprocess with --model, else simulated)")
     gen.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")

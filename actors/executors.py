@@ -17,6 +17,7 @@ be, so callers normally restart then too.
 
 from __future__ import annotations
 
+import concurrent.futures
 import inspect
 import signal
 import socket
@@ -100,6 +101,23 @@ class InProcessExecutor:
         self._round_trip = round_trip
         self._runner: ModelRunnerLike | None = None
         self._interrupted = False
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+
+    async def _in_model_thread(self, fn, *args):
+        """Run `fn` on this executor's own model thread and wait for it without
+        blocking the event loop. The model lives on one thread that aclose() joins:
+        torch state left on an idle daemon thread at interpreter exit can abort
+        the process."""
+        if self._thread is None:
+            self._thread = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="cadence-model")
+        future = self._thread.submit(fn, *args)
+        return await trio.to_thread.run_sync(future.result, **{_ABANDON_KW: True})
+
+    def _drop_thread(self, wait: bool) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.shutdown(wait=wait, cancel_futures=True)
 
     @property
     def runner(self) -> ModelRunnerLike | None:
@@ -119,7 +137,7 @@ class InProcessExecutor:
         await self.kill()
         init = self._wire(init)  # type: ignore[assignment]
         try:
-            runner = await trio.to_thread.run_sync(self._runner_factory, init)
+            runner = await self._in_model_thread(self._runner_factory, init)
             ready = ready_from_runner(runner, init)
         except Exception as exc:
             raise ExecutorError(f"executor failed to start: {type(exc).__name__}: {exc}") from exc
@@ -136,8 +154,7 @@ class InProcessExecutor:
         step = self._wire(step)  # type: ignore[assignment]
         self._interrupted = True
         try:
-            result = await trio.to_thread.run_sync(
-                runner.execute, step.plan, step.sampling, **{_ABANDON_KW: True})
+            result = await self._in_model_thread(runner.execute, step.plan, step.sampling)
         except Exception as exc:
             self._interrupted = False
             failed = ExecutorFailed(step.plan.step_id, f"{type(exc).__name__}: {exc}")
@@ -149,14 +166,19 @@ class InProcessExecutor:
         """Drop the runner; a step still running in an abandoned thread finishes unseen."""
         self._runner = None
         self._interrupted = False
+        self._drop_thread(wait=False)
 
     async def aclose(self) -> None:
         """Close the runner if it has a close method, then drop it."""
         runner, self._runner = self._runner, None
         close = getattr(runner, "close", None)
         if close is not None and not self._interrupted:
-            await trio.to_thread.run_sync(close)
-        self._interrupted = False
+            await self._in_model_thread(close)
+        thread, interrupted = self._thread, self._interrupted
+        self._thread, self._interrupted = None, False
+        if thread is not None:
+            # Join the model thread off the event loop; an abandoned step is not waited for.
+            await trio.to_thread.run_sync(thread.shutdown, not interrupted)
 
 
 class ChildProcessExecutor:

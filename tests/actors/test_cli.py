@@ -45,10 +45,21 @@ def test_demo_command(capsys):
 
 
 def test_generate_streams_text(capsys):
-    status, out, err = run(capsys, "generate", "Hello", "--max-tokens", "12")
+    status, out, err = run(capsys, "generate", "Hello", "--max-tokens", "12", "--model", "simulated")
     assert status == 0
     assert len(out.rstrip("\n")) == 12
     assert "[12 tokens, finish: length]" in err
+
+
+def test_generate_defaults_to_the_demo_model_and_echoes_the_prompt(capsys):
+    status, out, err = run(capsys, "generate", "def ", "--max-tokens", "24")
+    assert status == 0
+    assert out.startswith("def ")
+    # Byte-level tokenizer: 24 tokens are 24 bytes of text after the prompt.
+    assert len(out.rstrip("\n").encode()) == len("def ") + 24
+    assert "[24 tokens, finish: length]" in err
+    again = run(capsys, "generate", "def ", "--max-tokens", "24")[1]
+    assert again == out  # greedy by default
 
 
 def test_user_mistakes_print_one_line_and_exit_2(capsys):
