@@ -212,6 +212,8 @@ class FairPolicy:
         self.counters: dict[str, float] = {}
         self.queues: dict[str, deque[Request]] = {}
         self.num_active: dict[str, int] = {}
+        # Requests popped to be considered this step: pushing one back is no new arrival.
+        self._examined: set[str] = set()
         self._count = 0
         self._seq = itertools.count(1)
 
@@ -235,7 +237,9 @@ class FairPolicy:
 
     def _activate(self, request: Request) -> None:
         tenant = request.tenant
-        if self.num_active.get(tenant, 0) == 0:
+        returning = request.request_id in self._examined
+        self._examined.discard(request.request_id)
+        if self.num_active.get(tenant, 0) == 0 and not returning:
             active = [self.counters[t] for t, n in self.num_active.items() if n > 0 and t != tenant]
             floor = min(active) if active else 0.0
             self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
@@ -257,9 +261,11 @@ class FairPolicy:
         request.queue_seq = 0
         self._count -= 1
         self._deactivate(request)
+        self._examined.add(request.request_id)
         return request
 
     def remove(self, request: Request) -> None:
+        self._examined.discard(request.request_id)
         if request.queue_seq:
             request.queue_seq = 0
             self._count -= 1
@@ -281,6 +287,7 @@ class FairPolicy:
         return False
 
     def on_scheduled(self, request: Request, num_tokens: int) -> None:
+        self._examined.discard(request.request_id)
         # Only prompt tokens are charged here; generated ones in on_tokens.
         prompt_left = request.num_prompt_tokens - request.num_computed_tokens
         if prompt_left > 0:

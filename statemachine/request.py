@@ -72,6 +72,9 @@ class Request:
             raise InvalidRequestError("request_id must be a non-empty string")
         if len(prompt_token_ids) == 0:
             raise InvalidRequestError("prompt_token_ids must hold at least one token")
+        if min(prompt_token_ids) < 0:
+            raise InvalidRequestError(
+                f"prompt_token_ids must be >= 0, got {min(prompt_token_ids)}")
         self.request_id = request_id
         self.prompt_token_ids = tuple(prompt_token_ids)
         self.limits = limits if limits is not None else SamplingLimits()

@@ -104,7 +104,7 @@ class Scheduler:
         if num_needed > self.cache_config.num_blocks:
             raise RequestTooLongError(
                 f"request {rid!r}: {total} tokens need {num_needed} KV blocks of "
-                f"{self.cache_config.block_size}; the cache has {self.cache_config.num_blocks}"
+                f"{self.cache_config.block_size}; the cache has num_blocks={self.cache_config.num_blocks}"
             )
         if len(self.policy) >= config.max_waiting:
             raise QueueFullError(
@@ -172,7 +172,8 @@ class Scheduler:
         self.collector.saw_time(now_s)
         budget = config.max_num_batched_tokens
         seats = config.batch_size_limit
-        threshold = config.long_prefill_token_threshold
+        # The per-request prefill cap splits prompts, so it applies only with chunking.
+        threshold = config.long_prefill_token_threshold if config.enable_chunked_prefill else 0
         scheduled: dict[str, int] = {}
         new_block_ids: dict[str, list[int]] = {}
         preempted: list[Request] = []
@@ -420,7 +421,8 @@ class Scheduler:
             num_admitted += 1
         for request in put_back:
             policy.push(request)
-        if num_admitted == 0 and min_need <= blocks.num_blocks and len(self.running) < max_seqs:
+        if (num_admitted == 0 and min_need <= blocks.num_blocks and len(self.running) < max_seqs
+                and not config.reject_late):  # late requests must still be rejected on time
             self._failed_admission = (self._queue_version, min_need)
         else:
             self._failed_admission = None
@@ -429,13 +431,14 @@ class Scheduler:
                 request.num_skips += 1
         return budget
 
-    def _admission_reserve(self) -> int:
+    def _admission_reserve(self, num_running: int | None = None) -> int:
         """Blocks admission leaves free so running requests can keep growing: the
         watermark, or about `admission_headroom_steps` tokens per running request."""
-        running = self.running
-        if not running:
+        if num_running is None:
+            num_running = len(self.running)
+        if not num_running:
             return 0
-        headroom = -(-len(running) * self.config.admission_headroom_steps // self.blocks.block_size)
+        headroom = -(-num_running * self.config.admission_headroom_steps // self.blocks.block_size)
         return max(self._watermark_blocks, headroom)
 
     def _start(self, request: Request, num_cached: int, hits: list[int]) -> None:
@@ -444,8 +447,8 @@ class Scheduler:
         request.num_computed_tokens = num_cached
         request.num_skips = 0
         self.running.append(request)
-        if request.num_preemptions:
-            self.num_resume_hit_tokens += num_cached
+        if request.first_scheduled_s is not None:
+            self.num_resume_hit_tokens += num_cached  # back after a preemption or executor loss
         else:
             self.blocks.record_lookup(request.num_tokens, num_cached)
             request.num_cached_tokens = num_cached
@@ -482,7 +485,8 @@ class Scheduler:
                 releases[b] = releases.get(b, 0) + 1
         freed = {b for b, n in releases.items() if blocks.ref_counts[b] == n}
         revived = sum(1 for b in hits if b in blocks.evictable or b in freed)
-        need = blocks.blocks_for(waiting.num_tokens) - len(hits) + self._admission_reserve()
+        reserve = self._admission_reserve(len(self.running) - len(candidates))
+        need = blocks.blocks_for(waiting.num_tokens) - len(hits) + reserve
         return need + revived <= blocks.num_free_blocks + len(freed)
 
     def _preempt(self, victim: Request, scheduled, new_block_ids, preempted) -> int:
@@ -509,6 +513,7 @@ class Scheduler:
         was_running = request.fsm.state is RUNNING
         if request.fsm.state is PENDING:
             self.policy.remove(request)
+            self._queue_version += 1  # the queue changed: a failed pass may now succeed
         request.fsm.fire(kind, reason)
         request.finish_detail = detail
         rid = request.request_id
