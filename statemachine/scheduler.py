@@ -281,21 +281,24 @@ class Scheduler:
             tokens = sampled.get(rid)
             if not tokens or request.num_computed_tokens < len(request.all_token_ids):
                 continue
-            limits = request.limits
-            output, all_ids, stop_set = request.output_token_ids, request.all_token_ids, request.stop_token_set
-            reason = None
-            taken = 0
-            for token in tokens:
+            output, all_ids = request.output_token_ids, request.all_token_ids
+            if len(tokens) == 1:
+                # The common case, one token per step, without the loop's overhead.
+                token = tokens[0]
                 output.append(token)
                 all_ids.append(token)
-                taken += 1
-                n_out = len(output)
-                if token in stop_set and n_out >= limits.min_tokens:
-                    reason = FinishReason.STOP
-                    break
-                if n_out >= limits.max_tokens or len(all_ids) >= max_model_len:
-                    reason = FinishReason.LENGTH
-                    break
+                taken = 1
+                reason = self._stop_reason(request, token, len(output), len(all_ids), max_model_len)
+            else:
+                reason = None
+                taken = 0
+                for token in tokens:
+                    output.append(token)
+                    all_ids.append(token)
+                    taken += 1
+                    reason = self._stop_reason(request, token, len(output), len(all_ids), max_model_len)
+                    if reason is not None:
+                        break
             num_generated += taken
             if charge is not None:
                 charge(request, taken)
@@ -440,6 +443,16 @@ class Scheduler:
             return 0
         headroom = -(-num_running * self.config.admission_headroom_steps // self.blocks.block_size)
         return max(self._watermark_blocks, headroom)
+
+    @staticmethod
+    def _stop_reason(request: Request, token: int, num_output: int, num_tokens: int,
+                     max_model_len: int) -> FinishReason | None:
+        """Why the request stops after `token`, or None if it goes on."""
+        if token in request.stop_token_set and num_output >= request.limits.min_tokens:
+            return FinishReason.STOP
+        if num_output >= request.limits.max_tokens or num_tokens >= max_model_len:
+            return FinishReason.LENGTH
+        return None
 
     def _start(self, request: Request, num_cached: int, hits: list[int]) -> None:
         request.fsm.fire(E.ADMIT)
