@@ -28,6 +28,11 @@ from cadence.statemachine.errors import InvalidRequestError, ProtocolError
 from cadence.statemachine.plan import NewRequestData, StepPlan, StepResult
 from cadence.statemachine.sampling import SamplingParams
 
+from .fields import (
+    check_bool, check_dict, check_float, check_ids, check_int, check_list, check_str, check_strs,
+    find_bad_id, kind, wrong,
+)
+
 __all__ = [
     "PROTOCOL_VERSION",
     "MAX_MESSAGE_BYTES",
@@ -46,98 +51,20 @@ __all__ = [
     "decode",
 ]
 
+
 PROTOCOL_VERSION = 1
 # Large enough for a plan that admits hundreds of long prompts in full.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 OptionValue = Union[str, int, float, bool]
 
-_TYPE_NAMES = {
-    type(None): "nil", bool: "bool", int: "int", float: "float", str: "str",
-    bytes: "bin", list: "array", dict: "map",
-}
-
-
-# ---------------------------------------------------------------------------
-# Validation helpers. Each takes the value and its field path and returns the
-# value to store (converted where the wire form differs, e.g. int -> float).
-
-
-def _kind(value: object) -> str:
-    return _TYPE_NAMES.get(type(value), type(value).__name__)
-
-
-def _wrong(path: str, expected: str, value: object) -> ProtocolError:
-    return ProtocolError(f"{path}: expected {expected}, got {_kind(value)}")
-
-
-def _int(value: object, path: str, minimum: int | None = 0) -> int:
-    # `type(...) is int` rather than isinstance: msgpack bools are not ints here.
-    if type(value) is not int:
-        raise _wrong(path, "int", value)
-    if minimum is not None and value < minimum:
-        raise ProtocolError(f"{path}: must be >= {minimum}, got {value}")
-    return value
+# The shared field checks under the names this module's decoders use.
+_kind, _wrong, _int, _float, _bool, _str = kind, wrong, check_int, check_float, check_bool, check_str
+_list, _dict, _ids, _find_bad_id, _strs = check_list, check_dict, check_ids, find_bad_id, check_strs
 
 
 def _optional_int(value: object, path: str, minimum: int | None = 0) -> int | None:
     return None if value is None else _int(value, path, minimum)
-
-
-def _float(value: object, path: str) -> float:
-    kind = type(value)
-    if kind is float:
-        return value  # type: ignore[return-value]
-    if kind is int:
-        return float(value)  # type: ignore[arg-type]
-    raise _wrong(path, "float", value)
-
-
-def _bool(value: object, path: str) -> bool:
-    if type(value) is not bool:
-        raise _wrong(path, "bool", value)
-    return value  # type: ignore[return-value]
-
-
-def _str(value: object, path: str) -> str:
-    if type(value) is not str:
-        raise _wrong(path, "str", value)
-    return value  # type: ignore[return-value]
-
-
-def _list(value: object, path: str) -> list:
-    if type(value) is not list:
-        raise _wrong(path, "array", value)
-    return value  # type: ignore[return-value]
-
-
-def _dict(value: object, path: str) -> dict:
-    if type(value) is not dict:
-        raise _wrong(path, "map", value)
-    return value  # type: ignore[return-value]
-
-
-def _ids(value: object, path: str) -> list[int]:
-    """An array of non-negative ints (token ids, block ids), checked in one pass."""
-    items = _list(value, path)
-    for item in items:
-        if type(item) is not int or item < 0:
-            _find_bad_id(items, path)
-    return items
-
-
-def _find_bad_id(items: list, path: str) -> None:
-    for index, item in enumerate(items):
-        _int(item, f"{path}[{index}]")
-
-
-def _strs(value: object, path: str) -> list[str]:
-    items = _list(value, path)
-    for item in items:
-        if type(item) is not str:
-            for index, each in enumerate(items):
-                _str(each, f"{path}[{index}]")
-    return items
 
 
 def _str_keys(mapping: dict, path: str) -> None:

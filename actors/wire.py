@@ -35,6 +35,10 @@ from cadence.statemachine.errors import (
 )
 from cadence.statemachine.sampling import SamplingParams
 
+from .fields import (
+    check_bool, check_dict, check_finite_float, check_ids, check_int, check_list, check_str,
+    check_strs, kind, optional, wrong,
+)
 from .framing import HEADER_BYTES, MAX_FRAME_BYTES
 
 __all__ = [
@@ -121,90 +125,15 @@ class ErrorCode(str, enum.Enum):
 
 _ERROR_CODES = frozenset(code.value for code in ErrorCode)
 
-_TYPE_NAMES = {
-    type(None): "nil", bool: "bool", int: "int", float: "float", str: "str",
-    bytes: "bin", list: "array", dict: "map",
-}
-
-
-# ---------------------------------------------------------------------------
-# Validation helpers: each checks one value and returns it (converted where the
-# wire form differs, int -> float). `path` names the field in error messages.
-
-
-def _kind(value: object) -> str:
-    return _TYPE_NAMES.get(type(value), type(value).__name__)
+# The shared field checks under the names this module's decoders use; a plain
+# ProtocolError from them becomes a MessageError in `_decode`.
+_kind, _int, _bool, _str = kind, check_int, check_bool, check_str
+_float, _list, _dict, _ids, _strs, _optional = (
+    check_finite_float, check_list, check_dict, check_ids, check_strs, optional)
 
 
 def _wrong(path: str, expected: str, value: object) -> MessageError:
-    return MessageError(f"{path}: expected {expected}, got {_kind(value)}")
-
-
-def _int(value: object, path: str, minimum: int | None = 0, maximum: int | None = None) -> int:
-    # bool is an int subclass in Python but a distinct msgpack type.
-    if type(value) is not int:
-        raise _wrong(path, "int", value)
-    if minimum is not None and value < minimum:
-        raise MessageError(f"{path}: must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise MessageError(f"{path}: must be <= {maximum}, got {value}")
-    return value
-
-
-def _optional(check: Callable, value: object, path: str, *args) -> Any:
-    return None if value is None else check(value, path, *args)
-
-
-def _float(value: object, path: str) -> float:
-    if type(value) is float:
-        if not math.isfinite(value):
-            raise MessageError(f"{path}: must be finite, got {value}")
-        return value  # type: ignore[return-value]
-    if type(value) is int:
-        return float(value)  # type: ignore[arg-type]
-    raise _wrong(path, "float", value)
-
-
-def _bool(value: object, path: str) -> bool:
-    if type(value) is not bool:
-        raise _wrong(path, "bool", value)
-    return value  # type: ignore[return-value]
-
-
-def _str(value: object, path: str, max_chars: int | None = None) -> str:
-    if type(value) is not str:
-        raise _wrong(path, "str", value)
-    if max_chars is not None and len(value) > max_chars:  # type: ignore[arg-type]
-        raise MessageError(
-            f"{path}: at most {max_chars} characters, got {len(value)}")  # type: ignore[arg-type]
-    return value  # type: ignore[return-value]
-
-
-def _list(value: object, path: str) -> list:
-    if type(value) is not list:
-        raise _wrong(path, "array", value)
-    return value  # type: ignore[return-value]
-
-
-def _dict(value: object, path: str) -> dict:
-    if type(value) is not dict:
-        raise _wrong(path, "map", value)
-    return value  # type: ignore[return-value]
-
-
-def _ids(value: object, path: str) -> list[int]:
-    items = _list(value, path)
-    for index, item in enumerate(items):
-        if type(item) is not int or item < 0:
-            _int(item, f"{path}[{index}]")
-    return items
-
-
-def _strs(value: object, path: str) -> list[str]:
-    items = _list(value, path)
-    for index, item in enumerate(items):
-        _str(item, f"{path}[{index}]")
-    return items
+    return MessageError(str(wrong(path, expected, value)))
 
 
 def _fields(payload: object, path: str, required: frozenset[str],
@@ -358,9 +287,10 @@ class Generate:
                 timeout_s=_optional(_float, m.get("timeout_s"), "Generate.timeout_s"),
                 cache_salt=_optional(_str, m.get("cache_salt"), "Generate.cache_salt", 1024),
             )
-        except MessageError as exc:
-            exc.stream = stream
-            raise
+        except ProtocolError as exc:
+            error = exc if isinstance(exc, MessageError) else MessageError(str(exc))
+            error.stream = stream
+            raise error from None
 
 
 @attrs.frozen
@@ -705,7 +635,12 @@ def _decode(data: bytes, table: dict[str, Callable[[object], Any]], side: str) -
     from_wire = table.get(name)
     if from_wire is None:
         raise MessageError(f"envelope: {name[:64]!r} is not a {side} message type")
-    return from_wire(payload)
+    try:
+        return from_wire(payload)
+    except MessageError:
+        raise
+    except ProtocolError as exc:
+        raise MessageError(str(exc)) from None
 
 
 def decode_request(data: bytes) -> ClientMessage:
