@@ -208,7 +208,8 @@ def build_runner(init: InitExecutor) -> ModelRunnerLike:
     A model name that is a preset of cadence.gpu gets random weights from
     `init.seed`; anything else is read as a Hugging Face checkpoint directory.
     Options understood for real models: attention_backend (str),
-    gpu_memory_utilization (float), max_num_seqs (int).
+    gpu_memory_utilization (float), max_num_seqs (int), and tp (int: shard
+    the model across that many local ranks, see `_build_tensor_parallel_runner`).
     """
     if init.model == SIMULATED_MODEL:
         return DeterministicRunner(init)
@@ -220,6 +221,9 @@ def build_runner(init: InitExecutor) -> ModelRunnerLike:
         raise ExecutorError(
             f"model {init.model!r} needs cadence.gpu.runner, which could not be imported: {exc}"
         ) from exc
+    tp = int(init.options.get("tp", 1))
+    if tp > 1:
+        return _build_tensor_parallel_runner(init, tp)
     model_runner = gpu_runner.ModelRunner
     from_init = getattr(model_runner, "from_init", None)
     if from_init is not None:
@@ -239,6 +243,33 @@ def build_runner(init: InitExecutor) -> ModelRunnerLike:
     if init.model in gpu_config.PRESETS:
         return model_runner(gpu_config.preset(init.model), **kwargs)
     return model_runner.from_pretrained(init.model, **kwargs)
+
+
+def _build_tensor_parallel_runner(init: InitExecutor, tp: int) -> ModelRunnerLike:
+    """Rank 0 of `tp` ranks on this machine; the others are spawned here and die with this process.
+
+    Options: tp_timeout_s (float: how long a collective waits for a dead or
+    stuck rank before the step fails), tp_num_threads (int: torch threads per rank).
+    """
+    from cadence.gpu import parallel
+
+    spec: dict[str, Any] = {
+        "model": init.model,
+        "num_blocks": init.num_blocks or None,
+        "block_size": init.block_size,
+        "device": init.device,
+        "dtype": init.dtype or None,
+        "seed": init.seed,
+        "max_num_batched_tokens": init.max_num_batched_tokens,
+    }
+    for name in ("attention_backend", "gpu_memory_utilization", "max_num_seqs"):
+        if name in init.options:
+            spec[name] = init.options[name]
+    num_threads = init.options.get("tp_num_threads")
+    return parallel.start_local_runner(
+        tp, spec, timeout_s=float(init.options.get("tp_timeout_s", parallel.DEFAULT_TIMEOUT_S)),
+        num_threads=None if num_threads is None else int(num_threads),
+    )
 
 
 def ready_from_runner(runner: Any, init: InitExecutor) -> Ready:

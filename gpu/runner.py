@@ -237,11 +237,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.use_cuda_graphs = self._resolve_cuda_graphs(use_cuda_graphs, attention_backend)
         self.backend = get_attention_backend(attention_backend)
-        self.model = build_model(model_config, self.backend, self.dtype, self.device)
-        if weights_path is None:
-            init_random_weights(self.model, seed)
-        else:
-            load_weights(self.model, weights_path)
+        self.model = self._build_model(weights_path, seed)
         self.sampler = Sampler(model_config.eos_token_ids, seed=seed, device=self.device)
         self._requests: dict[str, CachedRequestState] = {}
         self._max_blocks_per_seq = -(-self.max_model_len // block_size)
@@ -278,6 +274,20 @@ class ModelRunner:
             )
         return requested
 
+    def _build_model(self, weights_path: str | Path | None, seed: int):
+        """The model with its weights: read from `weights_path`, or random from `seed`."""
+        model = build_model(self.config, self.backend, self.dtype, self.device)
+        if weights_path is None:
+            init_random_weights(model, seed)
+        else:
+            load_weights(model, weights_path)
+        return model
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads this runner's cache holds (all of them, unless the model is sharded)."""
+        return self.config.num_kv_heads
+
     @classmethod
     def from_pretrained(cls, directory: str | Path, **kwargs) -> ModelRunner:
         """A runner for the Hugging Face model in `directory` (config.json + safetensors)."""
@@ -302,7 +312,7 @@ class ModelRunner:
         """Bytes one block takes across all layers, K and V."""
         c = self.config
         element_size = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * element_size
+        return 2 * c.num_layers * self.block_size * self.num_local_kv_heads * c.head_dim * element_size
 
     def reset(self) -> None:
         """Forget every request (executor restart); cache contents are left as they are."""
@@ -571,7 +581,7 @@ class ModelRunner:
         c = self.config
         # Zeroed, not empty: attention multiplies masked-out cache entries by 0, and NaN * 0 is NaN.
         cache = torch.zeros(
-            c.num_layers, 2, num_blocks + NUM_SCRATCH_BLOCKS, self.block_size, c.num_kv_heads, c.head_dim,
+            c.num_layers, 2, num_blocks + NUM_SCRATCH_BLOCKS, self.block_size, self.num_local_kv_heads, c.head_dim,
             dtype=self.dtype, device=self.device,
         )
         return [(cache[layer, 0], cache[layer, 1]) for layer in range(c.num_layers)]
