@@ -13,6 +13,7 @@ still live (its consumers get `EngineClosedError`) and shuts the executor down.
 from __future__ import annotations
 
 import math
+import os
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Mapping, Sequence, Union
 
@@ -383,6 +384,10 @@ async def open_engine(config: EngineConfig | None = None, *,
     tokenizer = config.tokenizer
     if tokenizer is None and config.executor == "simulated":
         tokenizer = ByteTokenizer()
+    elif tokenizer is None and os.path.isfile(os.path.join(config.model, "tokenizer.json")):
+        # A checkpoint directory brings its own tokenizer.
+        from cadence.gpu.tokenizer import Tokenizer as CheckpointTokenizer
+        tokenizer = CheckpointTokenizer.from_pretrained(config.model)
     backend = _make_backend(config, tokenizer)
     sched_config, cache = config.scheduler, config.cache
     init = InitExecutor(
