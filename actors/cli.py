@@ -209,9 +209,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _is_following_rank() -> bool:
+    return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1 \
+        and int(os.environ["RANK"]) != 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `cadence` command; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if _is_following_rank():
+        # Under a launcher (torchrun), ranks other than 0 run the model shard that
+        # rank 0's engine drives; rank 0 runs the command itself.
+        from cadence.gpu.tp_worker import follow_launched
+        return follow_launched()
     if argv[:1] == ["check"]:
         return _check(argv[1:])
     args = build_parser().parse_args(argv)

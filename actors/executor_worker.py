@@ -26,7 +26,7 @@ from typing import Any, Callable, Protocol
 
 import attrs
 
-from cadence.statemachine.errors import ExecutorError, ProtocolError
+from cadence.statemachine.errors import ConfigError, ExecutorError, ProtocolError
 from cadence.statemachine.plan import StepPlan, StepResult
 from cadence.statemachine.sampling import SamplingParams
 
@@ -265,9 +265,16 @@ def _build_tensor_parallel_runner(init: InitExecutor, tp: int) -> ModelRunnerLik
     for name in ("attention_backend", "gpu_memory_utilization", "max_num_seqs"):
         if name in init.options:
             spec[name] = init.options[name]
+    timeout_s = float(init.options.get("tp_timeout_s", parallel.DEFAULT_TIMEOUT_S))
+    launched = parallel.launched_rank()
+    if launched is not None:
+        # Started by a launcher (torchrun, possibly across machines): join its group.
+        if launched[1] != tp:
+            raise ConfigError(f"tp is {tp} but the launcher started WORLD_SIZE={launched[1]} ranks")
+        return parallel.join_launched_group(spec, timeout_s)
     num_threads = init.options.get("tp_num_threads")
     return parallel.start_local_runner(
-        tp, spec, timeout_s=float(init.options.get("tp_timeout_s", parallel.DEFAULT_TIMEOUT_S)),
+        tp, spec, timeout_s=timeout_s,
         num_threads=None if num_threads is None else int(num_threads),
     )
 

@@ -1016,14 +1016,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"scheduling policy: {', '.join(POLICY_NAMES)} (default: fcfs)")
     group.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     group.add_argument("--seed", type=int, default=0, help="executor seed")
+    group.add_argument("--tp", type=int, default=None,
+                       help="tensor-parallel ranks (default: 1, or WORLD_SIZE under a launcher "
+                            "such as torchrun, where rank 0 serves and the others follow it)")
     group.add_argument("--sim-step-us", type=float, default=None,
                        help="simulated executor: every step takes this many microseconds, whatever "
                             "its batch (0: free; default: a latency model of a small GPU)")
 
 
 def _tokenizer_for(model: str):
-    """The tokenizer of a local model directory, or None (simulated model, presets)."""
-    if not os.path.isdir(model):
+    """The tokenizer of a local model directory, or None (simulated model, presets, or a
+    checkpoint without tokenizer.json: clients then send token ids)."""
+    if not os.path.isfile(os.path.join(model, "tokenizer.json")):
         return None
     # Only a real checkpoint needs the tokenizer package; the simulated paths never import it.
     from cadence.gpu.tokenizer import Tokenizer
@@ -1045,7 +1049,18 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         latency=latency, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         num_blocks=args.num_blocks, block_size=args.block_size, policy=args.policy,
-        enable_prefix_caching=not args.no_prefix_caching)
+        enable_prefix_caching=not args.no_prefix_caching,
+        executor_options=_tp_options(args))
+
+
+def _tp_options(args: argparse.Namespace) -> dict:
+    """Executor options for tensor parallelism: --tp, or the launcher's WORLD_SIZE."""
+    tp = args.tp
+    if tp is None:
+        tp = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
+    if tp < 1:
+        raise ConfigError(f"--tp must be >= 1, got {tp}")
+    return {"tp": tp} if tp > 1 else {}
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:

@@ -526,6 +526,34 @@ def build_rank_runner(group: RankGroup, spec: Mapping[str, Any]) -> TensorParall
 
 
 _active: TensorParallelRunner | None = None
+_launched: TensorParallelRunner | None = None
+
+
+def launched_rank() -> tuple[int, int] | None:
+    """(rank, world size) when a launcher such as torchrun started this process as
+    one of several ranks (RANK and WORLD_SIZE set, WORLD_SIZE > 1), else None."""
+    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def join_launched_group(spec: Mapping[str, Any] | None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                        device: str = "auto") -> TensorParallelRunner:
+    """This rank's runner in a group a launcher started (rendezvous from the environment).
+
+    Rank 0 passes the runner `spec` and broadcasts it as JSON bytes, so the other
+    ranks need no arguments of their own; they pass None. The group lives for the
+    process: a second call on rank 0 (an executor restart) resets and returns the
+    same runner, since a launcher's ranks cannot be respawned from here.
+    """
+    global _launched
+    if _launched is not None:
+        _launched.reset()
+        return _launched
+    group = init_rank_group(spec.get("device", device) if spec else device, timeout_s)
+    payload = group.broadcast_bytes(json.dumps(dict(spec)).encode() if group.rank == 0 else None)
+    _launched = build_rank_runner(group, json.loads(payload))
+    return _launched
 
 
 def start_local_runner(

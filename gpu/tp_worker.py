@@ -29,7 +29,7 @@ from .parallel import (
     init_rank_group,
 )
 
-__all__ = ["main", "replay"]
+__all__ = ["main", "replay", "follow_launched"]
 
 
 def replay(runner, commands: list[bytes], out_path: Path) -> None:
@@ -41,6 +41,19 @@ def replay(runner, commands: list[bytes], out_path: Path) -> None:
                 continue
             result = runner.execute(plan, sampling)
             out.write(json.dumps({"step_id": result.step_id, "sampled": result.sampled_token_ids}) + "\n")
+
+
+def follow_launched(timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
+    """A non-zero rank under a launcher running `cadence ...`: take rank 0's runner
+    spec, build this shard, and serve rank 0's steps until it stops them."""
+    from .parallel import join_launched_group
+
+    runner = join_launched_group(None, timeout_s)
+    try:
+        runner.follow()
+    finally:
+        runner.close()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
