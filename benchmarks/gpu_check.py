@@ -75,6 +75,7 @@ class Settings:
     matmul_size: int
     kernel_timeout_s: float
     budget_s: float
+    tp: int = 1
 
     @classmethod
     def make(cls, dry_run: bool, budget_s: float) -> Settings:
@@ -296,6 +297,15 @@ def _cadence_options(s: Settings) -> dict:
 
 def _make_runner(s: Settings, *, dtype: str, weights: Path | None = None, num_blocks: int | None = None,
                  max_num_seqs: int | None = None) -> ModelRunner:
+    if s.tp > 1:
+        # Ranks 1..tp-1 are spawned on this machine; decode graphs are not used with tp > 1.
+        from cadence.gpu import parallel
+        spec = dict(model=str(weights) if weights is not None else s.preset, num_blocks=num_blocks,
+                    block_size=16, device=s.device, dtype=dtype, attention_backend=s.attention_backend,
+                    max_num_seqs=max_num_seqs or s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+                    max_model_len=s.max_model_len, gpu_memory_utilization=s.gpu_memory_utilization,
+                    use_cuda_graphs=False, seed=0)
+        return parallel.start_local_runner(s.tp, spec, num_threads=1 if s.dry_run else None)
     graphs = dict(use_cuda_graphs=True) if s.device == "cuda" else dict(pad_decode_batches=True)
     options = dict(
         num_blocks=num_blocks, block_size=16, device=s.device, dtype=dtype, attention_backend=s.attention_backend,
@@ -341,6 +351,13 @@ def stage_cadence(record: dict, s: Settings, report: Report, workload, slice_wor
     record["slice_graphs_on"] = sliced["record"]
     shared["cadence_slice_tokens_per_s"] = sliced["record"]["tokens_per_s"]
     report.save()
+    if s.tp > 1:
+        # A sharded model cannot be saved whole: the greedy and transformers stages skip.
+        record["tp"] = s.tp
+        runner.close()
+        del runner, graphs
+        free_memory(s.device)
+        return
     if report.remaining_s() > 150 or s.dry_run:
         runner.decode_graphs = None
         off = _timed_run(runner, workload, s)
@@ -492,6 +509,13 @@ def summary_rows(data: dict) -> list[tuple[str, str, str]]:
     return rows
 
 
+def with_tp(s: Settings, tp: int) -> Settings:
+    """The settings with `tp` ranks for the Cadence stage."""
+    if tp < 1:
+        raise SystemExit(f"--tp must be >= 1, got {tp}")
+    return attrs.evolve(s, tp=tp)
+
+
 def main(argv=None) -> int:
     """Run the stages and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -500,6 +524,8 @@ def main(argv=None) -> int:
                         help="seconds after which no stage starts (each also needs an estimate of its own time)")
     parser.add_argument("--out", default=os.environ.get("OUT") or "/tmp/gpu_check_out")
     parser.add_argument("--skip", default="", help="comma-separated stages to leave out")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel ranks for the Cadence stage (one GPU each, on this machine)")
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device: use --dry-run on a CPU")
@@ -507,7 +533,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)  # shared CPU cores: OpenMP spin-waits would dominate
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    s = Settings.make(args.dry_run, args.budget_s)
+    s = with_tp(Settings.make(args.dry_run, args.budget_s), args.tp)
     report = Report(out / "gpu_check.json", args.budget_s)
     skip = set(filter(None, args.skip.split(",")))
     vocab = preset(s.preset).vocab_size
@@ -533,7 +559,7 @@ def main(argv=None) -> int:
             report.data["stages"][name] = {"status": "skipped", "reason": "--skip"}
             continue
         if name in needs_checkpoint and "checkpoint" not in shared:
-            report.data["stages"][name] = {"status": "skipped", "reason": "no checkpoint (cadence stage failed)"}
+            report.data["stages"][name] = {"status": "skipped", "reason": "no checkpoint (the cadence stage failed, or ran with --tp > 1)"}
             continue
         report.run_stage(name, fn, needs_s=0 if args.dry_run else needs_s, **kwargs)
     if "checkpoint" in shared:
