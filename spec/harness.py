@@ -345,7 +345,7 @@ def _clone_blocks(bm):
     d = dict(vars(bm))
     d["ref_counts"] = list(bm.ref_counts)
     d["free_ids"] = list(bm.free_ids)
-    d["evictable"] = dict(bm.evictable)
+    d["evictable"] = bm.evictable.copy()
     d["block_key"] = list(bm.block_key)
     d["cached"] = dict(bm.cached)
     d["tables"] = {rid: list(t) for rid, t in bm.tables.items()}

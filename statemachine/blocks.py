@@ -9,6 +9,7 @@ itself is the dict key, so a hash collision can never produce a false hit.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Hashable
 
 from .request import Request
@@ -42,8 +43,10 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         # Popped from the end, so the lowest ids go first.
         self.free_ids: list[int] = list(range(num_blocks - 1, -1, -1))
-        # Insertion order is recency: the first key is evicted first.
-        self.evictable: dict[int, None] = {}
+        # Insertion order is recency: the first key is evicted first. An OrderedDict
+        # pops its oldest entry in O(1); a plain dict's first key is found by
+        # scanning past every slot deleted before it.
+        self.evictable: OrderedDict[int, None] = OrderedDict()
         self.block_key: list[BlockKey | None] = [None] * num_blocks
         self.cached: dict[Hashable, int] = {}
         self.tables: dict[str, list[int]] = {}
@@ -187,8 +190,7 @@ class BlockManager:
             if free_ids:
                 b = free_ids.pop()
             else:
-                b = next(iter(self.evictable))
-                del self.evictable[b]
+                b, _ = self.evictable.popitem(last=False)
                 key = self.block_key[b]
                 self.block_key[b] = None
                 if self.cached.get(key) == b:
