@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import attrs
 
-from .blocks import BlockManager
+from .blocks import BlockManager, block_keys_for
 from .config import CacheConfig, SchedulerConfig
 from .errors import (
     DuplicateRequestError, QueueFullError, RequestNotFoundError, RequestTooLongError,
@@ -110,6 +110,10 @@ class Scheduler:
             raise QueueFullError(
                 f"waiting queue holds {len(self.policy)} requests; max_waiting is {config.max_waiting}"
             )
+        if self.blocks.enable_prefix_caching:
+            # Hash the prompt's full blocks once, on arrival, rather than in a step.
+            block_keys_for(request.all_token_ids, self.blocks.block_size, request.cache_salt,
+                           request.block_hashes)
         self._num_arrivals += 1
         request.arrival_seq = self._num_arrivals
         self.requests[rid] = request
