@@ -557,18 +557,11 @@ class AsyncStream:
         return _completion(self._state, outputs)
 
 
-class AsyncClient:
-    """A Trio client over one connection, safe to share between tasks.
+class _AsyncClientCalls:
+    """The calls the Trio and asyncio clients share; each subclass supplies its
+    transport (`_send_bytes`, `_query`) and its stream class."""
 
-    Create it with `open_client`, whose block owns the background reader task.
-    """
-
-    def __init__(self, stream: trio.abc.Stream, protocol: ClientProtocol, timeout_s: float) -> None:
-        self.stream = stream
-        self.protocol = protocol
-        self.timeout_s = timeout_s
-        self._waiters: dict[tuple[str, Any], trio.Event] = {}
-        self._send_lock = trio.Lock()
+    _stream_class: type
 
     @property
     def welcome(self) -> Welcome:
@@ -578,13 +571,13 @@ class AsyncClient:
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *,
                        priority: int = 0, tenant: str = "default", deadline_s: float | None = None,
                        timeout_s: float | None = None, cache_salt: str | None = None,
-                       **sampling) -> AsyncStream:
+                       **sampling):
         """Start a request and return its stream (see `Client.generate`)."""
         options = dict(priority=priority, tenant=tenant, deadline_s=deadline_s, timeout_s=timeout_s,
                        cache_salt=cache_salt)
         state, frame = self.protocol.generate(prompt, params, options, sampling)
         await self._send_bytes(frame)
-        return AsyncStream(self, state)
+        return self._stream_class(self, state)
 
     async def complete(self, prompt: Prompt, params: SamplingParams | None = None,
                        **options) -> Completion:
@@ -599,6 +592,22 @@ class AsyncClient:
     async def health(self) -> HealthReply:
         """Whether the server takes requests, with a few gauges."""
         return await self._query(HealthQuery)
+
+
+class AsyncClient(_AsyncClientCalls):
+    """A Trio client over one connection, safe to share between tasks.
+
+    Create it with `open_client`, whose block owns the background reader task.
+    """
+
+    _stream_class = AsyncStream
+
+    def __init__(self, stream: trio.abc.Stream, protocol: ClientProtocol, timeout_s: float) -> None:
+        self.stream = stream
+        self.protocol = protocol
+        self.timeout_s = timeout_s
+        self._waiters: dict[tuple[str, Any], trio.Event] = {}
+        self._send_lock = trio.Lock()
 
     async def _query(self, kind: type):
         ref, frame = self.protocol.query(kind)
@@ -770,9 +779,11 @@ class AsyncioStream:
         return _completion(self._state, outputs)
 
 
-class AsyncioClient:
+class AsyncioClient(_AsyncClientCalls):
     """The same client for asyncio programs: `await AsyncioClient.connect(...)`,
     then `await client.aclose()` (or `async with`)."""
+
+    _stream_class = AsyncioStream
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                  protocol: ClientProtocol, timeout_s: float) -> None:
@@ -816,36 +827,6 @@ class AsyncioClient:
             await client.aclose()
             raise
         return client
-
-    @property
-    def welcome(self) -> Welcome:
-        """What the server said about itself."""
-        return self.protocol.welcome
-
-    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *,
-                       priority: int = 0, tenant: str = "default", deadline_s: float | None = None,
-                       timeout_s: float | None = None, cache_salt: str | None = None,
-                       **sampling) -> AsyncioStream:
-        """Start a request and return its stream (see `Client.generate`)."""
-        options = dict(priority=priority, tenant=tenant, deadline_s=deadline_s, timeout_s=timeout_s,
-                       cache_salt=cache_salt)
-        state, frame = self.protocol.generate(prompt, params, options, sampling)
-        await self._send_bytes(frame)
-        return AsyncioStream(self, state)
-
-    async def complete(self, prompt: Prompt, params: SamplingParams | None = None,
-                       **options) -> Completion:
-        """Run one request to the end and return it whole."""
-        async with await self.generate(prompt, params, **options) as stream:
-            return await stream.collect()
-
-    async def stats(self) -> dict[str, Any]:
-        """The engine's and the server's counters."""
-        return (await self._query(StatsQuery)).stats
-
-    async def health(self) -> HealthReply:
-        """Whether the server takes requests, with a few gauges."""
-        return await self._query(HealthQuery)
 
     async def aclose(self) -> None:
         """Close the connection (the server aborts whatever is still running)."""
