@@ -9,19 +9,8 @@ actor, executors, the embedded API and the offline `LLM` facade.
 """
 
 from cadence.statemachine.config import CacheConfig, SchedulerConfig
-from cadence.statemachine.errors import (
-    CadenceError,
-    ConfigError,
-    DuplicateRequestError,
-    EngineClosedError,
-    ExecutorError,
-    IllegalTransition,
-    InvalidRequestError,
-    ProtocolError,
-    QueueFullError,
-    RequestNotFoundError,
-    RequestTooLongError,
-)
+from cadence.statemachine import errors as _errors
+from cadence.statemachine.errors import *  # noqa: F401,F403  (every user-facing error)
 from cadence.statemachine.sampling import SamplingParams
 
 from .engine import Engine, EngineConfig, RequestStream, open_engine
@@ -39,15 +28,4 @@ __all__ = [
     "SchedulerConfig",
     "CacheConfig",
     "LLM",
-    "CadenceError",
-    "ConfigError",
-    "InvalidRequestError",
-    "RequestTooLongError",
-    "QueueFullError",
-    "RequestNotFoundError",
-    "DuplicateRequestError",
-    "IllegalTransition",
-    "ProtocolError",
-    "ExecutorError",
-    "EngineClosedError",
-]
+] + list(_errors.__all__)
