@@ -10,9 +10,12 @@ the transport, not the protocol.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from cadence.statemachine.errors import ExecutorError
+
+if TYPE_CHECKING:  # annotations only
+    from .messages import ExecuteStep, InitExecutor, Ready, StepOutput
 
 __all__ = ["ExecutorBackend", "ExecutorError"]
 
@@ -26,10 +29,10 @@ class ExecutorBackend(Protocol):
     timeout around `execute`, after which it calls `kill` and `start` again.
     """
 
-    async def start(self, init: "InitExecutor") -> "Ready":  # noqa: F821
+    async def start(self, init: InitExecutor) -> Ready:
         """Start (or restart) the executor and return what it can hold."""
 
-    async def execute(self, step: "ExecuteStep") -> "StepOutput":  # noqa: F821
+    async def execute(self, step: ExecuteStep) -> StepOutput:
         """Run one step plan and return the sampled tokens."""
 
     async def kill(self) -> None:

@@ -22,7 +22,6 @@ error a local engine would have raised (`QueueFullError`, ...), so
 from __future__ import annotations
 
 import enum
-import math
 import struct
 from typing import Any, Callable, ClassVar, Union
 
