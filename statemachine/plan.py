@@ -16,12 +16,13 @@ from .fsm import FinishReason, RequestEventKind
 class NewRequestData:
     """A request the executor has not seen, or sees again after a preemption.
 
-    token_ids: prompt plus any tokens generated before a preemption.
+    token_ids: prompt plus any tokens generated before a preemption (immutable;
+      the request's own tuple of prompt ids on a first admission).
     num_computed_tokens: tokens whose KV is already cached (prefix hits).
     """
 
     request_id: str
-    token_ids: list[int]
+    token_ids: tuple[int, ...] = attrs.field(converter=tuple)
     num_prompt_tokens: int
     block_ids: list[int]
     num_computed_tokens: int

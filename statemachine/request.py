@@ -53,7 +53,7 @@ class Request:
         "num_prompt_tokens", "num_computed_tokens", "num_preemptions", "block_hashes",
         "num_skips", "queue_seq", "first_scheduled_s", "num_cached_tokens",
         "stop_token_set", "finish_detail", "arrival_seq",
-        "admitted_step",
+        "admitted_step", "length_limit",
     )
 
     def __init__(
@@ -96,6 +96,9 @@ class Request:
         self.arrival_seq = 0
         # The step that last admitted it: older plans' results no longer apply.
         self.admitted_step = -1
+        # Set by the scheduler on arrival: the token count at which it stops for
+        # length (prompt + max_tokens, or max_model_len if that is smaller).
+        self.length_limit = self.num_prompt_tokens + self.limits.max_tokens
         self.first_scheduled_s: float | None = None
         self.num_cached_tokens = 0
         limits = self.limits

@@ -116,6 +116,7 @@ class Scheduler:
                            request.block_hashes)
         self._num_arrivals += 1
         request.arrival_seq = self._num_arrivals
+        request.length_limit = min(total, config.max_model_len)
         self.requests[rid] = request
         self.policy.push(request)
         self._queue_version += 1
@@ -287,12 +288,20 @@ class Scheduler:
                 continue
             output, all_ids = request.output_token_ids, request.all_token_ids
             if len(tokens) == 1:
-                # The common case, one token per step, without the loop's overhead.
+                # The common case, one token per step, without the loop's overhead:
+                # below the length limit and not a stop token, the request goes on.
                 token = tokens[0]
                 output.append(token)
                 all_ids.append(token)
+                num_generated += 1
+                if len(all_ids) < request.length_limit and token not in request.stop_token_set:
+                    if charge is not None:
+                        charge(request, 1)
+                    events.append(RequestEvent(rid, None, tokens))
+                    continue
                 taken = 1
                 reason = self._stop_reason(request, token, len(output), len(all_ids), max_model_len)
+                num_generated -= 1
             else:
                 reason = None
                 taken = 0
@@ -420,8 +429,11 @@ class Scheduler:
             if threshold and n > threshold:
                 n = threshold
             self._start(request, num_cached, hits)
+            # A first admission shares the immutable prompt; a resumed one copies its tokens.
             new_requests.append(NewRequestData(
-                request.request_id, list(request.all_token_ids), request.num_prompt_tokens,
+                request.request_id,
+                request.all_token_ids if request.output_token_ids else request.prompt_token_ids,
+                request.num_prompt_tokens,
                 list(blocks.tables[request.request_id]), num_cached, request.num_preemptions > 0))
             scheduled[request.request_id] = n
             budget -= n

@@ -364,7 +364,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 d = new[rid]
                 assert d.num_computed_tokens + n == request.num_computed_tokens
                 assert d.num_computed_tokens % s.blocks.block_size == 0
-                assert d.token_ids == request.all_token_ids and d.block_ids == s.blocks.tables[rid]
+                assert list(d.token_ids) == request.all_token_ids and d.block_ids == s.blocks.tables[rid]
                 assert d.resumed == (request.num_preemptions > 0)
                 if not config.enable_chunked_prefill:
                     assert request.num_computed_tokens == request.num_tokens, "prompt split without chunking"
