@@ -1,30 +1,58 @@
 """Paged KV block accounting with automatic prefix caching.
 
 A block is free (no owner, no cached contents), evictable (no owner, but its
-contents are cached and findable by hash until it is reused) or in use
-(referenced by one or more block tables). Full blocks are identified by a
-chained key `(parent block hash, token ids of the block, cache salt)`; the key
-itself is the dict key, so a hash collision can never produce a false hit.
+contents are cached and findable by key until it is reused) or in use
+(referenced by one or more block tables). A full block is identified by a
+chained key: the hash of its parent block's key, its token ids and the cache
+salt, packed into one `bytes`. The key itself is the dict key, so two blocks
+with different tokens or salts never share a key; and a `bytes` object keeps its
+hash once computed, so a lookup costs a memory compare, not a rehash.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
-from typing import Hashable
+from typing import Sequence
 
 from .request import Request
 
-BlockKey = tuple  # (parent hash: int, tokens: tuple[int, ...], salt: str | None)
+BlockKey = bytes
 NO_PARENT = 0
+# Header byte of a key: how the tokens are packed, and whether a salt follows.
+_WIDE_TOKENS = 1  # a token id did not fit in 32 bits: the tokens are spelled out
+_SALTED = 2
 
 
-def block_keys_for(token_ids: list[int] | tuple[int, ...], block_size: int, salt: str | None,
+def block_keys_for(token_ids: Sequence[int], block_size: int, salt: str | None,
                    keys: list[BlockKey] | None = None) -> list[BlockKey]:
-    """Extend `keys` to cover every full block of `token_ids` and return it."""
+    """Extend `keys` to cover every full block of `token_ids` and return it.
+
+    A key is parent hash (8 bytes) + header byte + tokens + salt. Tokens are
+    packed as 32-bit integers, a fixed width, so the salt that follows cannot be
+    mistaken for tokens; wider ids are written as the tuple's text instead, which
+    ends at its first ')'. The header tells the two apart, and a salt from none.
+    """
     keys = [] if keys is None else keys
+    start = len(keys) * block_size
+    num_full = (len(token_ids) - start) // block_size
+    if num_full <= 0:
+        return keys
+    end = start + num_full * block_size
+    header = _SALTED if salt is not None else 0
+    tail = salt.encode() if salt is not None else b""
+    try:
+        packed = array("I", token_ids[start:end]).tobytes()
+        width = 4 * block_size
+        bodies = [packed[i * width:(i + 1) * width] for i in range(num_full)]
+    except OverflowError:
+        header |= _WIDE_TOKENS
+        bodies = [repr(tuple(token_ids[b:b + block_size])).encode()
+                  for b in range(start, end, block_size)]
+    head = bytes((header,))
     parent = hash(keys[-1]) if keys else NO_PARENT
-    for start in range(len(keys) * block_size, len(token_ids) - block_size + 1, block_size):
-        key = (parent, tuple(token_ids[start:start + block_size]), salt)
+    for body in bodies:
+        key = parent.to_bytes(8, "little", signed=True) + head + body + tail
         keys.append(key)
         parent = hash(key)
     return keys
@@ -48,7 +76,7 @@ class BlockManager:
         # scanning past every slot deleted before it.
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self.block_key: list[BlockKey | None] = [None] * num_blocks
-        self.cached: dict[Hashable, int] = {}
+        self.cached: dict[BlockKey, int] = {}
         self.tables: dict[str, list[int]] = {}
         self.num_hashed: dict[str, int] = {}
         self.num_query_tokens = 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from .blocks import block_keys_for
 from .fsm import RequestState
 from .scheduler import Scheduler
 
@@ -70,15 +71,10 @@ def cached_hashes_consistent(s: Scheduler) -> list[str]:
         req = s.requests.get(rid)
         if req is None:
             continue
-        parent = 0
-        for i, b in enumerate(table):
-            if (i + 1) * bm.block_size > len(req.all_token_ids):
-                break
-            tokens = tuple(req.all_token_ids[i * bm.block_size:(i + 1) * bm.block_size])
-            key = (parent, tokens, req.cache_salt)
+        keys = block_keys_for(req.all_token_ids, bm.block_size, req.cache_salt)
+        for i, (b, key) in enumerate(zip(table, keys)):
             if bm.block_key[b] is not None and bm.block_key[b] != key:
                 out.append(f"request {rid!r} block {i} (id {b}) cached with other contents")
-            parent = hash(key)
     return out
 
 

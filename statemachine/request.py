@@ -89,7 +89,7 @@ class Request:
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_preemptions = 0
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[bytes] = []  # prefix-cache keys of its full blocks
         self.num_skips = 0
         self.queue_seq = 0
         # Set by the scheduler on arrival: breaks ties between equal arrival times.

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from cadence.statemachine import invariants
-from cadence.statemachine.blocks import BlockManager
+from cadence.statemachine.blocks import BlockManager, block_keys_for
 from cadence.statemachine.request import Request
 
 from core_helpers import examples
@@ -27,13 +27,10 @@ SALTS = st.sampled_from([None, None, None, "salt"])
 
 
 def chain_keys(tokens: list[int], block_size: int, salt: str | None) -> list[tuple]:
-    """The cache key of every full block: (hash of the previous key, tokens, salt)."""
-    keys, parent = [], 0
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        key = (parent, tuple(tokens[start:start + block_size]), salt)
-        keys.append(key)
-        parent = hash(key)
-    return keys
+    """The model's key of every full block: the whole prefix up to its end, and
+    the salt. Obviously collision-free; the real keys are checked against it."""
+    return [(tuple(tokens[:end]), salt)
+            for end in range(block_size, len(tokens) + 1, block_size)]
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -73,6 +70,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.evictable: list[int] = []
         self.cached: dict[tuple, int] = {}
         self.key_of: dict[int, tuple] = {}
+        self.model_key: dict[bytes, tuple] = {}  # the real key of a block -> the model's
         self.tables: dict[str, list[int]] = {}
         self.hashed: dict[str, int] = {}
         self.num_evictions = 0
@@ -87,12 +85,21 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not self.caching:
             return []
         hits = []
-        keys = chain_keys(request.all_token_ids, self.bs, request.cache_salt)
+        keys = self._keys(request)
         for key in keys[:(request.num_tokens - 1) // self.bs]:
             if key not in self.cached:
                 break
             hits.append(self.cached[key])
         return hits
+
+    def _keys(self, request: Request) -> list[tuple]:
+        """The model's keys of the request's full blocks, learning which real key
+        stands for each: one real key standing for two prefixes is a collision."""
+        keys = chain_keys(request.all_token_ids, self.bs, request.cache_salt)
+        real = block_keys_for(request.all_token_ids, self.bs, request.cache_salt)
+        for real_key, key in zip(real, keys):
+            assert self.model_key.setdefault(real_key, key) == key, "two prefixes share a key"
+        return keys
 
     def _check_taken(self, taken: list[int], free_before: set[int], lru_before: list[int]) -> None:
         """Fresh blocks come from the free set first, then from the evictable
@@ -207,7 +214,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not self.caching:
             return
         self.bm.cache_full_blocks(request, computed)
-        keys = chain_keys(request.all_token_ids, self.bs, request.cache_salt)
+        keys = self._keys(request)
         for i in range(self.hashed[rid], computed // self.bs):
             block = self.tables[rid][i]
             if keys[i] not in self.cached and block not in self.key_of:
@@ -279,8 +286,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert bm.tables == self.tables
         assert len(bm.free_ids) == len(self.free) and set(bm.free_ids) == self.free
         assert list(bm.evictable) == self.evictable
-        assert bm.cached == self.cached
-        assert {b: k for b, k in enumerate(bm.block_key) if k is not None} == self.key_of
+        assert {self.model_key[k]: b for k, b in bm.cached.items()} == self.cached
+        assert {b: self.model_key[k] for b, k in enumerate(bm.block_key) if k is not None} \
+            == self.key_of
         counts = [0] * bm.num_blocks
         for table in self.tables.values():
             for b in table:
