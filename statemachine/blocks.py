@@ -22,6 +22,7 @@ NO_PARENT = 0
 # Header byte of a key: how the tokens are packed, and whether a salt follows.
 _WIDE_TOKENS = 1  # a token id did not fit in 32 bits: the tokens are spelled out
 _SALTED = 2
+_HEADS = [bytes((h,)) for h in range(4)]
 
 
 def block_keys_for(token_ids: Sequence[int], block_size: int, salt: str | None,
@@ -39,18 +40,22 @@ def block_keys_for(token_ids: Sequence[int], block_size: int, salt: str | None,
     if num_full <= 0:
         return keys
     end = start + num_full * block_size
-    header = _SALTED if salt is not None else 0
-    tail = salt.encode() if salt is not None else b""
+    tail = b"" if salt is None else salt.encode()
+    parent = hash(keys[-1]) if keys else NO_PARENT
     try:
         packed = array("I", token_ids[start:end]).tobytes()
-        width = 4 * block_size
-        bodies = [packed[i * width:(i + 1) * width] for i in range(num_full)]
     except OverflowError:
-        header |= _WIDE_TOKENS
+        head = _HEADS[_WIDE_TOKENS | (salt is not None and _SALTED)]
         bodies = [repr(tuple(token_ids[b:b + block_size])).encode()
                   for b in range(start, end, block_size)]
-    head = bytes((header,))
-    parent = hash(keys[-1]) if keys else NO_PARENT
+    else:
+        head = _HEADS[salt is not None and _SALTED]
+        if num_full == 1:  # the common case: one block of generated tokens became full
+            key = parent.to_bytes(8, "little", signed=True) + head + packed + tail
+            keys.append(key)
+            return keys
+        width = 4 * block_size
+        bodies = [packed[i:i + width] for i in range(0, len(packed), width)]
     for body in bodies:
         key = parent.to_bytes(8, "little", signed=True) + head + body + tail
         keys.append(key)
@@ -192,8 +197,9 @@ class BlockManager:
             return
         refs, block_key, evictable, free_ids = self.ref_counts, self.block_key, self.evictable, self.free_ids
         for b in reversed(table):
-            refs[b] -= 1
-            if refs[b] == 0:
+            left = refs[b] - 1
+            refs[b] = left
+            if not left:
                 if block_key[b] is None:
                     free_ids.append(b)
                 else:
