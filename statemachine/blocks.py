@@ -87,6 +87,8 @@ class BlockManager:
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
         self.num_evictions = 0
+        # Tables given back so far (a finish, abort or preemption): blocks may be free again.
+        self.num_releases = 0
 
     # ---- queries ---------------------------------------------------------------
     @property
@@ -195,6 +197,7 @@ class BlockManager:
         self.num_hashed.pop(request_id, None)
         if table is None:
             return
+        self.num_releases += 1
         refs, block_key, evictable, free_ids = self.ref_counts, self.block_key, self.evictable, self.free_ids
         for b in reversed(table):
             left = refs[b] - 1

@@ -21,6 +21,11 @@ def _fraction(instance, attribute, value) -> None:
         raise ConfigError(f"{attribute.name} must be in [0, 1), got {value!r}")
 
 
+def _share(instance, attribute, value) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ConfigError(f"{attribute.name} must be in [0, 1], got {value!r}")
+
+
 def _policy_name(instance, attribute, value) -> None:
     if not isinstance(value, str) or (value not in POLICY_NAMES and ":" not in value):
         raise ConfigError(
@@ -88,8 +93,17 @@ class SchedulerConfig:
         lower priority.
       admission_watermark: fraction of blocks kept free when admitting, so running
         requests can grow without immediate preemption.
-      admission_headroom_steps: also keep free, when admitting, the blocks the running
-        requests fill in this many decode steps (0: the watermark alone).
+      admission_headroom_steps: how far ahead admission looks (0: the watermark
+        alone). Each running request grows a token per decode step until its
+        length limit (prompt + max_tokens), then frees its blocks; admission keeps
+        free the most blocks this projection of the running requests needs at
+        any point before the releases it expects have paid for the growth, or
+        before this many steps, whichever comes first. A request admitted in the
+        same pass adds its own growth. The projection uses max_tokens, so it is
+        an upper bound for requests that can stop early on EOS.
+      admission_growth_share: the fraction of that projected growth admission holds
+        back; below 1 admits a little ahead of the projection, betting that some
+        requests stop early (EOS) and accepting an occasional preemption.
 
     Shell
       schedule_interval_us: the scheduler actor waits at least this long between
@@ -116,10 +130,11 @@ class SchedulerConfig:
     throughput_weight: float = 0.0
     enable_batch_sorting: bool = False
     starvation_skip_limit: int = attrs.field(default=32, validator=_at_least(0))
-    max_lookahead: int = attrs.field(default=4, validator=_at_least(0))
+    max_lookahead: int = attrs.field(default=16, validator=_at_least(0))
     preempt_for_priority: bool = True
     admission_watermark: float = attrs.field(default=0.01, validator=_fraction)
-    admission_headroom_steps: int = attrs.field(default=16, validator=_at_least(0))
+    admission_headroom_steps: int = attrs.field(default=128, validator=_at_least(0))
+    admission_growth_share: float = attrs.field(default=0.95, validator=_share)
     schedule_interval_us: int = attrs.field(default=0, validator=_at_least(0))
     debug_checks: bool = False
 

@@ -11,6 +11,9 @@ is simply not scheduled until `update()` delivers it.
 
 from __future__ import annotations
 
+import heapq
+from typing import Sequence
+
 import attrs
 
 from .blocks import BlockManager, block_keys_for
@@ -24,6 +27,9 @@ from .policy import SchedulingPolicy, make_policy
 from .request import Request
 from .stats import StatsCollector, StatsSummary
 
+# Steps after a failed admission pass before the same pass is tried again when
+# neither the queue nor the set of held blocks has changed.
+ADMISSION_RETRY_STEPS = 16
 RUNNING = RequestState.RUNNING
 PENDING = RequestState.PENDING
 E = RequestEventKind
@@ -58,10 +64,11 @@ class Scheduler:
         self._deadline_of = getattr(self.policy, "deadline_of", None)
         self._checker = None
         # Admission memo: a pass that admitted nothing is not repeated until the
-        # queue changes or blocks are freed (it would fail the same way).
+        # queue changes, blocks are freed or ADMISSION_RETRY_STEPS pass (it would fail
+        # the same way, or nearly: the projected reserve shrinks as requests near their ends).
         self._queue_version = 0
         self._num_arrivals = 0
-        self._failed_admission: tuple[int, int] | None = None
+        self._failed_admission: tuple[int, int, int] | None = None
         if config.debug_checks:
             from .invariants import check_scheduler
             self._checker = check_scheduler
@@ -185,12 +192,15 @@ class Scheduler:
         tables, block_size = blocks.tables, blocks.block_size
 
         # 1. Running requests: decode tokens and the next chunks of prefills.
+        # Seats can only run out here if more requests run than a step may hold.
+        count_seats = len(self.running) > seats
         for request in list(self.running):
-            if budget <= 0 or len(scheduled) >= seats:
+            if budget <= 0 or (count_seats and len(scheduled) >= seats):
                 break
             if request.fsm.state is not RUNNING:
                 continue  # preempted earlier in this loop
-            n = len(request.all_token_ids) - request.num_computed_tokens
+            computed = request.num_computed_tokens
+            n = len(request.all_token_ids) - computed
             if n <= 0:
                 continue  # its sampled token is still in flight
             if n > budget:
@@ -198,11 +208,11 @@ class Scheduler:
             if threshold and n > threshold:
                 n = threshold
             rid = request.request_id
-            if request.num_computed_tokens + n <= len(tables[rid]) * block_size:
+            if computed + n <= len(tables[rid]) * block_size:
                 scheduled[rid] = n
                 budget -= n
                 continue
-            new = blocks.grow(rid, request.num_computed_tokens + n)
+            new = blocks.grow(rid, computed + n)
             while new is None:
                 victim = policy.victim(self.running)
                 budget += self._preempt(victim, scheduled, new_block_ids, preempted)
@@ -219,10 +229,9 @@ class Scheduler:
         # 2. Waiting requests, in policy order, skipping those that do not fit.
         new_requests: list[NewRequestData] = []
         failed = self._failed_admission
-        reserve = self._admission_reserve()
-        if failed is not None and failed[0] == self._queue_version \
-                and blocks.num_free_blocks - reserve < failed[1]:
-            pass  # same queue and still too few free blocks: the last pass's failure stands
+        if (failed is not None and failed[0] == self._queue_version
+                and failed[1] == blocks.num_releases and step_id < failed[2]):
+            pass  # same queue, no blocks given back and not yet time to look again
         elif len(policy) and ((budget > 0 and len(scheduled) < seats)
                               or getattr(policy, "preempts_running", True)):
             budget = self._admit(budget, seats, scheduled, new_requests, preempted,
@@ -281,12 +290,16 @@ class Scheduler:
             request = requests.get(rid)
             if request is None or request.fsm.state is not RUNNING or request.admitted_step > step_id:
                 continue  # gone, or preempted and admitted again since this plan
-            if caching and request.num_computed_tokens // block_size > num_hashed[rid]:
-                blocks.cache_full_blocks(request, request.num_computed_tokens)
+            computed = request.num_computed_tokens
+            if caching and computed // block_size > num_hashed[rid]:
+                blocks.cache_full_blocks(request, computed)
             tokens = sampled.get(rid)
-            if not tokens or request.num_computed_tokens < len(request.all_token_ids):
+            if not tokens:
                 continue
             output, all_ids = request.output_token_ids, request.all_token_ids
+            num_tokens = len(all_ids)
+            if computed < num_tokens:
+                continue  # a partial prefill chunk samples nothing
             if len(tokens) == 1:
                 # The common case, one token per step, without the loop's overhead:
                 # below the length limit and not a stop token, the request goes on.
@@ -294,7 +307,7 @@ class Scheduler:
                 output.append(token)
                 all_ids.append(token)
                 num_generated += 1
-                if len(all_ids) < request.length_limit and token not in request.stop_token_set:
+                if num_tokens + 1 < request.length_limit and token not in request.stop_token_set:
                     if charge is not None:
                         charge(request, 1)
                     events.append(RequestEvent(rid, None, tokens))
@@ -370,14 +383,20 @@ class Scheduler:
         chunking = config.enable_chunked_prefill
         put_back: list[Request] = []
         blocked: list[tuple[Request, int]] = []
-        min_need = blocks.num_blocks + 1
+        short_of_blocks = False
         num_admitted = 0
         preemptive = getattr(policy, "preempts_running", True)
+        growth, until = self._projected_growth()
+        num_releases = blocks.num_releases
         while True:
             has_room = budget > 0 and len(scheduled) < seats
             if not has_room and not preemptive:
                 break
-            if not preemptive and blocks.num_free_blocks <= self._admission_reserve():
+            if blocks.num_releases != num_releases:  # a preemption changed who runs
+                growth, until = self._projected_growth()
+                num_releases = blocks.num_releases
+            reserve = self._admission_reserve(growth)
+            if not preemptive and blocks.num_free_blocks <= reserve:
                 break  # every admission needs at least one fresh block
             request = policy.pop()
             if request is None:
@@ -407,16 +426,23 @@ class Scheduler:
             if not chunking and n > budget:
                 fits = False
             else:
-                reserve = self._admission_reserve()
-                fits = blocks.allocate(request.request_id, hits, request.num_tokens, reserve)
+                if blocks.num_releases != num_releases:  # a running request made way for it
+                    growth, until = self._projected_growth()
+                    num_releases = blocks.num_releases
+                    reserve = self._admission_reserve(growth)
+                # Cheap refusal first: even reviving no hit, the fresh blocks do not fit.
+                fits = (blocks.blocks_for(request.num_tokens) - len(hits) + reserve
+                        <= blocks.num_free_blocks) and blocks.allocate(
+                    request.request_id, hits, request.num_tokens, reserve)
                 while not fits and self._preempt_for(request, hits, scheduled, new_block_ids,
                                                      preempted):
                     budget = config.max_num_batched_tokens - sum(scheduled.values())
-                    reserve = self._admission_reserve()
+                    growth, until = self._projected_growth()
+                    num_releases = blocks.num_releases
+                    reserve = self._admission_reserve(growth)
                     fits = blocks.allocate(request.request_id, hits, request.num_tokens, reserve)
             if not fits:
-                min_need = min(min_need, blocks.blocks_for(request.num_tokens) - len(hits)
-                               + sum(1 for b in hits if b in blocks.evictable))
+                short_of_blocks = True
                 if request.num_skips >= skip_limit:
                     break  # it has waited long enough: hold capacity for it
                 blocked.append((request, num_admitted))
@@ -429,6 +455,9 @@ class Scheduler:
             if threshold and n > threshold:
                 n = threshold
             self._start(request, num_cached, hits)
+            # Its own growth until the projection's end joins what later admissions leave free.
+            left = request.length_limit - request.num_tokens
+            growth += (left if left < until else until) / block_size
             # A first admission shares the immutable prompt; a resumed one copies its tokens.
             new_requests.append(NewRequestData(
                 request.request_id,
@@ -440,9 +469,12 @@ class Scheduler:
             num_admitted += 1
         for request in put_back:
             policy.push(request)
-        if (num_admitted == 0 and min_need <= blocks.num_blocks and len(self.running) < max_seqs
+        if (num_admitted == 0 and short_of_blocks and len(self.running) < max_seqs
                 and not config.reject_late):  # late requests must still be rejected on time
-            self._failed_admission = (self._queue_version, min_need)
+            # The projection's reserve shrinks as running requests near their ends,
+            # so a pass may succeed without a release: look again now and then.
+            self._failed_admission = (self._queue_version, blocks.num_releases,
+                                      self.step_id + ADMISSION_RETRY_STEPS)
         else:
             self._failed_admission = None
         for request, mark in blocked:
@@ -450,15 +482,55 @@ class Scheduler:
                 request.num_skips += 1
         return budget
 
-    def _admission_reserve(self, num_running: int | None = None) -> int:
+    def _projected_growth(self, excluded: Sequence[Request] = ()) -> tuple[float, int]:
+        """How many blocks the running requests (less `excluded`) will take beyond
+        what they hold before releases pay for it, and the step where the
+        projection stops; see `admission_headroom_steps`.
+
+        Each request is taken to grow one token per step, a block every
+        `block_size` steps on average, until its length limit, and then to free
+        every block it holds. The need peaks just before a release; the projection
+        stops at the first release after which the blocks freed so far cover all
+        the growth so far, or at the horizon.
+        """
+        horizon = self.config.admission_headroom_steps
+        running = self.running
+        if not horizon or not running:
+            return 0.0, horizon
+        tables = self.blocks.tables
+        # One int per request, steps left above blocks held, so that a C-level heap
+        # orders them; only the first few releases are usually needed.
+        shift = 32
+        ends = [(r.length_limit - len(r.all_token_ids)) << shift | len(tables[r.request_id])
+                for r in (running if not excluded else [r for r in running if r not in excluded])]
+        alive = len(ends)
+        cut = (horizon + 1) << shift
+        ends = [e for e in ends if e < cut]
+        heapq.heapify(ends)
+        mask = (1 << shift) - 1
+        per_step = 1.0 / self.blocks.block_size
+        peak = 0.0
+        released = 0
+        while ends:
+            end = heapq.heappop(ends)
+            left = end >> shift
+            need = (left - 1) * alive * per_step - released
+            if need > peak:
+                peak = need
+            released += end & mask
+            alive -= 1
+            if left * alive * per_step <= released:
+                return peak, left
+        need = horizon * alive * per_step - released
+        return (need if need > peak else peak), horizon
+
+    def _admission_reserve(self, growth: float) -> int:
         """Blocks admission leaves free so running requests can keep growing: the
-        watermark, or about `admission_headroom_steps` tokens per running request."""
-        if num_running is None:
-            num_running = len(self.running)
-        if not num_running:
+        watermark, or the held-back share of their projected growth."""
+        if not self.running:
             return 0
-        headroom = -(-num_running * self.config.admission_headroom_steps // self.blocks.block_size)
-        return max(self._watermark_blocks, headroom)
+        held_back = int(-(-(self.config.admission_growth_share * growth) // 1))
+        return held_back if held_back > self._watermark_blocks else self._watermark_blocks
 
     @staticmethod
     def _stop_reason(request: Request, token: int, num_output: int, num_tokens: int,
@@ -514,7 +586,8 @@ class Scheduler:
                 releases[b] = releases.get(b, 0) + 1
         freed = {b for b, n in releases.items() if blocks.ref_counts[b] == n}
         revived = sum(1 for b in hits if b in blocks.evictable or b in freed)
-        reserve = self._admission_reserve(len(self.running) - len(candidates))
+        reserve = (self._admission_reserve(self._projected_growth(candidates)[0])
+                   if len(candidates) < len(self.running) else 0)
         need = blocks.blocks_for(waiting.num_tokens) - len(hits) + reserve
         return need + revived <= blocks.num_free_blocks + len(freed)
 

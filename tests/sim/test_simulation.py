@@ -33,7 +33,7 @@ def test_seeded_simulation_keeps_every_property(seed):
     check_report(run_scenario(random_scenario(seed)))
 
 
-@pytest.mark.parametrize("seed", [2, 6, 26])
+@pytest.mark.parametrize("seed", [2, 30, 46])
 def test_one_seed_gives_one_trace(seed):
     scenario = random_scenario(seed)
     first, second = run_scenario(scenario), run_scenario(scenario)

@@ -148,19 +148,63 @@ def test_batch_sorting_puts_decodes_first_then_longest_prefills():
     assert list(plan.num_scheduled_tokens) == ["decoder", "long", "short"]
 
 
-def test_admission_keeps_growth_headroom_for_running_requests():
-    """admission_headroom_steps keeps free the blocks running requests fill in that
-    many decode steps; with nothing running nothing is reserved."""
-    s = make_scheduler(num_blocks=8, block_size=4, admission_headroom_steps=8)
-    s.add_request(make_request("a", 4, max_tokens=8))
+def _projected(max_tokens: int, **config):
+    """A scheduler (16 blocks of 4 tokens) with one request running, one decode step in."""
+    config = {"admission_headroom_steps": 16, "admission_growth_share": 1.0, **config}
+    s = make_scheduler(num_blocks=16, block_size=4, **config)
+    s.add_request(make_request("running", 4, max_tokens=max_tokens))
     step(s)
-    s.add_request(make_request("b", 12, max_tokens=4))  # 3 blocks + 8 / 4 for a = 5 <= 6 free
-    s.add_request(make_request("c", 4, max_tokens=4))   # 1 block + 2 * 8 / 4 for a, b = 5 > 3 free
-    plan, _ = step(s)
-    assert [d.request_id for d in plan.new_requests] == ["b"]
-    assert s.blocks.num_free_blocks == 3
+    return s
+
+
+def test_admission_keeps_free_the_growth_projected_over_the_horizon():
+    """A running request far from its end grows a block every 4 steps: over a
+    16-step horizon admission keeps 4 blocks free for it. It takes its second block
+    in the next step, leaving 14: a request needing 10 fits, one needing 11 does not."""
+    s = _projected(max_tokens=50)
+    assert s.blocks.num_free_blocks == 15
+    s.add_request(make_request("eleven", 44, max_tokens=4))
     plan, _ = step(s)
     assert plan.new_requests == []
+    s = _projected(max_tokens=50)
+    s.add_request(make_request("ten", 40, max_tokens=4))
+    plan, _ = step(s)
+    assert [d.request_id for d in plan.new_requests] == ["ten"]
+
+
+def test_admission_credits_the_blocks_a_request_about_to_finish_gives_back():
+    """Two tokens from its end, the running request frees its blocks before it
+    needs more than one: a request needing 13 of the 14 free blocks fits."""
+    s = _projected(max_tokens=3)
+    s.add_request(make_request("thirteen", 52, max_tokens=4))
+    plan, _ = step(s)
+    assert [d.request_id for d in plan.new_requests] == ["thirteen"]
+
+
+def test_requests_admitted_in_one_pass_leave_room_for_each_others_growth():
+    """With nothing running the first admission reserves nothing; the second must
+    leave free the first one's growth over the horizon (16 steps: 4 blocks)."""
+    s = make_scheduler(num_blocks=16, block_size=4, admission_headroom_steps=16,
+                       admission_growth_share=1.0)
+    s.add_request(make_request("first", 8, max_tokens=40))   # 2 blocks, 4 more over 16 steps
+    s.add_request(make_request("second", 44, max_tokens=4))  # 11 + 4 > the 14 left
+    s.add_request(make_request("third", 36, max_tokens=4))   # 9 + 4 <= 14
+    plan, _ = step(s)
+    assert [d.request_id for d in plan.new_requests] == ["first", "third"]
+
+
+def test_growth_share_and_a_zero_horizon_scale_the_reserve():
+    """admission_growth_share holds back that fraction of the projection; with no
+    horizon only the watermark is kept."""
+    for share, admitted in ((1.0, []), (0.5, ["eleven"])):
+        s = _projected(max_tokens=50, admission_growth_share=share)
+        s.add_request(make_request("eleven", 44, max_tokens=4))
+        plan, _ = step(s)
+        assert [d.request_id for d in plan.new_requests] == admitted
+    s = _projected(max_tokens=50, admission_headroom_steps=0)
+    s.add_request(make_request("fourteen", 56, max_tokens=4))
+    plan, _ = step(s)
+    assert [d.request_id for d in plan.new_requests] == ["fourteen"]
     alone = make_scheduler(num_blocks=3, block_size=4, admission_headroom_steps=64)
     alone.add_request(make_request("x", 11, max_tokens=1))
     plan, _ = step(alone)
