@@ -245,3 +245,29 @@ def test_h_recompute_tax_is_counted():
     resumed = [d for p in plans for d in p.new_requests if d.request_id == "low"]
     assert resumed[0].resumed and len(resumed[0].token_ids) == 18
     assert any("low" in p.resumed_ids for p in plans)
+
+
+COLD_START = [(12, 12), (16, 15), (23, 36), (23, 32), (14, 14), (23, 9), (20, 35), (8, 36),
+              (16, 22), (11, 28), (8, 9), (8, 8)]  # (prompt, max_tokens), all arriving at once
+
+
+def _cold_start(headroom_steps: int):
+    s = make_scheduler(num_blocks=64, block_size=4, admission_headroom_steps=headroom_steps,
+                       admission_growth_share=1.0, max_num_seqs=16)
+    for i, (prompt, max_tokens) in enumerate(COLD_START):
+        s.add_request(make_request(f"r{i}", prompt, max_tokens=max_tokens, arrival_s=float(i)))
+    plans, _ = run_until_idle(s)
+    return s.stats(), len(plans)
+
+
+def test_i_a_cold_start_is_not_admitted_into_certain_preemptions():
+    """(i) Twelve requests arrive at once; at their ends they would need far more
+    than the 64 blocks. Admitting every prompt that fits (vLLM) fills the cache
+    with growth nobody can pay for, and preempts. The projected admission leaves
+    that growth free: nothing is preempted or recomputed, in no more steps."""
+    projected, projected_steps = _cold_start(128)
+    assert projected.num_requests_completed == len(COLD_START)
+    assert projected.num_preemptions == 0 and projected.num_recompute_tokens == 0
+    flat, flat_steps = _cold_start(0)
+    assert flat.num_preemptions > 0, "without the projection the same arrivals preempt"
+    assert projected_steps <= flat_steps
