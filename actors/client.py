@@ -36,6 +36,7 @@ import trio
 from cadence.statemachine.errors import CadenceError, ConfigError
 from cadence.statemachine.sampling import SamplingParams
 
+from .request_actor import join_logprobs
 from .wire import (
     MAX_REPLY_FRAME_BYTES, Abort, Accepted, ClientTimeoutError, ConnectionClosedError, Error,
     FrameBuffer, Generate, HealthQuery, HealthReply, Hello, MessageError, Output, ServerError,
@@ -98,6 +99,7 @@ class Completion:
     detail: str
     num_prompt_tokens: int
     num_cached_tokens: int
+    logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 def _generate_message(stream: int, prompt: Prompt, params: SamplingParams | None, options: dict,
@@ -288,7 +290,8 @@ def _completion(state: StreamState, outputs: list[Output]) -> Completion:
         request_id=state.request_id or "", token_ids=[t for o in outputs for t in o.token_ids],
         text="".join(texts) if last.text is not None else None, finish_reason=last.finish_reason,
         detail=last.detail, num_prompt_tokens=state.num_prompt_tokens or 0,
-        num_cached_tokens=last.num_cached_tokens)
+        num_cached_tokens=last.num_cached_tokens,
+        logprobs=join_logprobs((len(o.token_ids), o.logprobs) for o in outputs))
 
 
 def _timeout_error(timeout_s: float, what: str) -> ClientTimeoutError:

@@ -32,7 +32,7 @@ from cadence.statemachine.stats import StatsSummary
 from .detokenizer import ByteTokenizer, TextAssembler, Tokenizer
 from .executor import ExecutorBackend
 from .messages import InitExecutor, OptionValue
-from .request_actor import RequestActor, RequestOutput, RequestResult
+from .request_actor import RequestActor, RequestOutput, RequestResult, join_logprobs
 from .scheduler_actor import SchedulerActor, StepListener
 from .simulated import LatencyModel, SimulatedExecutor
 from .trace import TraceRecorder
@@ -204,8 +204,10 @@ class RequestStream:
         """Consume the stream and return the request as a whole."""
         tokens: list[int] = []
         texts: list[str] = []
+        logprobs: list[tuple[int, list | None]] = []
         last = None
         async for out in self:
+            logprobs.append((len(out.token_ids), out.logprobs))
             tokens.extend(out.token_ids)
             if out.text is not None:
                 texts.append(out.text)
@@ -223,6 +225,7 @@ class RequestStream:
             first_token_s=last.first_token_s,
             finish_s=last.now_s,
             num_cached_tokens=last.num_cached_tokens,
+            logprobs=join_logprobs(logprobs),
         )
 
     def __del__(self) -> None:

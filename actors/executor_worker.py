@@ -155,7 +155,7 @@ class DeterministicRunner:
             sampled[request_id] = [token]
             wanted = self._batch[request_id].sampling.logprobs
             if wanted is not None:
-                logprobs[request_id] = [self._logprobs(token, wanted)]
+                logprobs[request_id] = [fabricated_logprobs(token, wanted, self.vocab_size)]
         if self._step_delay_s:
             time.sleep(self._step_delay_s)
         elapsed_us = (time.perf_counter_ns() - start_ns) // 1000
@@ -197,9 +197,12 @@ class DeterministicRunner:
         sequence.token_ids.append(token)
         return token
 
-    def _logprobs(self, token: int, num_alternatives: int) -> list[tuple[int, float]]:
-        alternatives = [((token + i) % self.vocab_size, -float(i)) for i in range(1, num_alternatives + 1)]
-        return [(token, 0.0), *alternatives]
+
+def fabricated_logprobs(token: int, num_alternatives: int, vocab_size: int) -> list[tuple[int, float]]:
+    """The log-probabilities a simulated model reports for `token`: the sampled
+    token at 0.0, then the next ids at -1, -2, ..."""
+    alternatives = [((token + i) % vocab_size, -float(i)) for i in range(1, num_alternatives + 1)]
+    return [(token, 0.0), *alternatives]
 
 
 def build_runner(init: InitExecutor) -> ModelRunnerLike:

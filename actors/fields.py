@@ -107,3 +107,21 @@ def check_strs(value: object, path: str) -> list[str]:
 def optional(check: Callable, value: object, path: str, *args) -> Any:
     """None stays None; anything else goes through `check`."""
     return None if value is None else check(value, path, *args)
+
+
+def check_token_logprobs(value: object, path: str) -> list[list[tuple[int, float]]]:
+    """Log-probabilities per generated token: for each, [token id, logprob] pairs
+    (the sampled token first, then the top alternatives). -inf is allowed."""
+    return [check_alternatives(alternatives, f"{path}[{i}]")
+            for i, alternatives in enumerate(check_list(value, path))]
+
+
+def check_alternatives(value: object, path: str) -> list[tuple[int, float]]:
+    """One token's [token id, logprob] pairs."""
+    pairs = []
+    for j, pair in enumerate(check_list(value, path)):
+        pair_path = f"{path}[{j}]"
+        if type(pair) is not list or len(pair) != 2:
+            raise wrong(pair_path, "[token id, logprob] pair", pair)
+        pairs.append((check_int(pair[0], f"{pair_path}[0]"), check_float(pair[1], f"{pair_path}[1]")))
+    return pairs

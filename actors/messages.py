@@ -30,7 +30,7 @@ from cadence.statemachine.sampling import SamplingParams
 
 from .fields import (
     check_bool, check_dict, check_float, check_ids, check_int, check_list, check_str, check_strs,
-    find_bad_id, kind, wrong,
+    check_token_logprobs, find_bad_id, kind, wrong,
 )
 
 __all__ = [
@@ -222,20 +222,8 @@ def _logprobs_from_wire(value: object, path: str) -> dict[str, list[list[tuple[i
         return None
     mapping = _dict(value, path)
     _str_keys(mapping, path)
-    result: dict[str, list[list[tuple[int, float]]]] = {}
-    for key, per_token in mapping.items():
-        key_path = f"{path}[{key!r}]"
-        positions = []
-        for i, alternatives in enumerate(_list(per_token, key_path)):
-            pairs = []
-            for j, pair in enumerate(_list(alternatives, f"{key_path}[{i}]")):
-                pair_path = f"{key_path}[{i}][{j}]"
-                if type(pair) is not list or len(pair) != 2:
-                    raise _wrong(pair_path, "[token id, logprob] pair", pair)
-                pairs.append((_int(pair[0], f"{pair_path}[0]"), _float(pair[1], f"{pair_path}[1]")))
-            positions.append(pairs)
-        result[key] = positions
-    return result
+    return {key: check_token_logprobs(per_token, f"{path}[{key!r}]")
+            for key, per_token in mapping.items()}
 
 
 def _result_to_wire(result: StepResult) -> dict[str, Any]:

@@ -26,7 +26,7 @@ raises in the consumer and is re-raised by the actor task, failing the engine.
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 import attrs
 import trio
@@ -59,6 +59,9 @@ class RequestOutput(NamedTuple):
     arrival_s, first_token_s, now_s: Trio clock times of submission, of the
       first generated token (None before it) and of this delta.
     num_cached_tokens: prompt tokens found in the prefix cache at admission.
+    logprobs: when the request asked for `logprobs`, one list per token of
+      token_ids: (token id, logprob) pairs, the sampled token first, then the
+      top alternatives; None otherwise.
     """
 
     # A named tuple rather than an attrs class: one is built per delta on the
@@ -73,6 +76,7 @@ class RequestOutput(NamedTuple):
     first_token_s: float | None
     now_s: float
     num_cached_tokens: int
+    logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -94,6 +98,7 @@ class RequestResult:
     first_token_s: float | None
     finish_s: float
     num_cached_tokens: int
+    logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class RequestActor:
@@ -107,7 +112,7 @@ class RequestActor:
         "request", "request_id", "params", "fsm", "deadline_s", "_abort", "_assembler",
         "_events", "_waiter", "_consumer", "_accepted", "_error", "_out_tokens", "_out_text",
         "_num_tokens", "_finish_reason", "_detail", "_final_taken", "_abort_sent",
-        "_fault", "first_token_s",
+        "_fault", "first_token_s", "_out_logprobs",
     )
 
     def __init__(self, request: Request, params: SamplingParams,
@@ -127,6 +132,8 @@ class RequestActor:
         self._error: BaseException | None = None
         self._out_tokens: list[int] = []
         self._out_text: list[str] | None = [] if assembler is not None else None
+        # Log-probabilities of the tokens in _out_tokens, one entry each, once any arrived.
+        self._out_logprobs: list[list[tuple[int, float]] | None] | None = None
         self._num_tokens = 0
         self._finish_reason: str | None = None
         self._detail = ""
@@ -232,7 +239,7 @@ class RequestActor:
                     raise IllegalTransition(
                         f"request {self.request_id!r}: tokens arrived while {fsm.state.value}")
                 if self._finish_reason is None:
-                    self._on_tokens(tokens)
+                    self._on_tokens(tokens, event.logprobs)
             if kind is None:
                 continue
             fsm.fire(kind, event.finish_reason)
@@ -241,18 +248,26 @@ class RequestActor:
                 self._wake_actor()  # so its task ends, if the consumer applied this
         self._wake_consumer()
 
-    def _on_tokens(self, tokens) -> None:
+    def _on_tokens(self, tokens, logprobs=None) -> None:
         if self.first_token_s is None:
             self.first_token_s = trio.current_time()
+        out_logprobs = self._out_logprobs
+        if logprobs is not None and out_logprobs is None:
+            # The first log-probabilities of this delta: earlier tokens in it had none.
+            out_logprobs = self._out_logprobs = [None] * len(self._out_tokens)
         assembler = self._assembler
         if assembler is None:
             self._out_tokens.extend(tokens)
             self._num_tokens += len(tokens)
+            if out_logprobs is not None:
+                _extend_aligned(out_logprobs, logprobs, 0, len(tokens))
             return
         out_tokens, out_text = self._out_tokens, self._out_text
-        for token in tokens:
+        for i, token in enumerate(tokens):
             out_tokens.append(token)
             self._num_tokens += 1
+            if out_logprobs is not None:
+                _extend_aligned(out_logprobs, logprobs, i, i + 1)
             text, stopped = assembler.push(token)
             if text:
                 out_text.append(text)
@@ -362,6 +377,7 @@ class RequestActor:
 
     def _take_output(self) -> RequestOutput:
         tokens, self._out_tokens = self._out_tokens, []
+        logprobs, self._out_logprobs = self._out_logprobs, None
         text = None
         if self._out_text is not None:
             text = "".join(self._out_text)
@@ -371,4 +387,26 @@ class RequestActor:
             self._final_taken = True
         return RequestOutput(self.request_id, tokens, text, self._num_tokens, reason,
                              self._detail if reason is not None else "", self.request.arrival_s,
-                             self.first_token_s, trio.current_time(), self.request.num_cached_tokens)
+                             self.first_token_s, trio.current_time(), self.request.num_cached_tokens,
+                             logprobs)
+
+
+def join_logprobs(deltas: Iterable[tuple[int, list | None]]) -> list | None:
+    """The log-probabilities of a whole stream from its deltas' (number of tokens,
+    logprobs) pairs: one entry per token (None where a delta had none), or None
+    if no delta had any."""
+    out: list = []
+    seen = False
+    for num_tokens, logprobs in deltas:
+        if logprobs is None:
+            out.extend([None] * num_tokens)
+        else:
+            seen = True
+            out.extend(logprobs)
+    return out if seen else None
+
+
+def _extend_aligned(out: list, logprobs: list | None, start: int, end: int) -> None:
+    """Append the log-probabilities of tokens[start:end] (None where there are none)."""
+    for i in range(start, end):
+        out.append(logprobs[i] if logprobs is not None and i < len(logprobs) else None)

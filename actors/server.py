@@ -850,7 +850,8 @@ class _Connection:
             if out.finish_reason is not None:
                 metrics.on_finished(out.finish_reason, out.arrival_s, out.now_s)
             await self._send(Output(state.stream, out.token_ids, out.text, out.num_tokens,
-                                    out.finish_reason, out.detail, out.num_cached_tokens))
+                                    out.finish_reason, out.detail, out.num_cached_tokens,
+                                    out.logprobs))
 
     def _num_prompt_tokens(self, request_id: str, prompt: str | list[int]) -> int:
         actor = self.server.engine.scheduler.actors.get(request_id)

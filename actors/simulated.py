@@ -27,6 +27,7 @@ import trio
 from cadence.statemachine.errors import ExecutorError
 from cadence.statemachine.plan import StepPlan, StepResult
 
+from .executor_worker import fabricated_logprobs
 from .messages import ExecuteStep, InitExecutor, Ready, StepOutput
 
 __all__ = ["LatencyModel", "ZERO_LATENCY", "Fault", "FaultPlan", "SimulatedExecutor", "simulated_token"]
@@ -148,10 +149,12 @@ class FaultPlan:
 class _Sequence:
     """One request in the persistent batch."""
 
-    __slots__ = ("key", "token_ids", "num_prompt_tokens", "num_computed_tokens", "block_ids")
+    __slots__ = ("key", "token_ids", "num_prompt_tokens", "num_computed_tokens", "block_ids",
+                 "logprobs")
 
     def __init__(self, key: int, token_ids: list[int], num_prompt_tokens: int,
-                 num_computed_tokens: int, block_ids: list[int]) -> None:
+                 num_computed_tokens: int, block_ids: list[int], logprobs: int | None = None) -> None:
+        self.logprobs = logprobs  # alternatives to report per sampled token (None: no logprobs)
         self.key = key
         self.token_ids = token_ids
         self.num_prompt_tokens = num_prompt_tokens
@@ -248,7 +251,7 @@ class SimulatedExecutor:
             self._alive = False
             self._batch.clear()
             raise ExecutorError(f"simulated crash in step {step.plan.step_id}")
-        output, step_us = self._run(step.plan)
+        output, step_us = self._run(step.plan, step.sampling)
         if fault is Fault.HANG:
             await trio.sleep_forever()
         if fault is Fault.SLOW:
@@ -275,7 +278,7 @@ class SimulatedExecutor:
         """Shut down."""
         await self.kill()
 
-    def _run(self, plan: StepPlan) -> tuple[StepOutput, float]:
+    def _run(self, plan: StepPlan, sampling: Mapping | None = None) -> tuple[StepOutput, float]:
         batch = self._batch
         for rid in plan.finished_ids:
             batch.pop(rid, None)
@@ -283,9 +286,11 @@ class SimulatedExecutor:
             batch.pop(rid, None)
         seed = self.seed
         for data in plan.new_requests:
+            params = sampling.get(data.request_id) if sampling else None
             batch[data.request_id] = _Sequence(
                 _request_key(seed, data.request_id), list(data.token_ids), data.num_prompt_tokens,
-                data.num_computed_tokens, list(data.block_ids))
+                data.num_computed_tokens, list(data.block_ids),
+                params.logprobs if params is not None else None)
         for rid, block_ids in plan.new_block_ids.items():
             seq = batch.get(rid)
             if seq is None:
@@ -294,6 +299,7 @@ class SimulatedExecutor:
         vocab, eos, threshold, ids = self.vocab_size, self.eos_token_id, self._eos_threshold, self.sample_ids
         block_size, token_fn = self._block_size, self.token_fn
         sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list[list[tuple[int, float]]]] = {}
         num_prefill = num_decode = 0
         for rid, n in plan.num_scheduled_tokens.items():
             seq = batch.get(rid)
@@ -317,8 +323,10 @@ class SimulatedExecutor:
                     token = token_fn(rid, after)
                 tokens.append(token)
                 sampled[rid] = [token]
+                if seq.logprobs is not None:
+                    logprobs[rid] = [fabricated_logprobs(token, seq.logprobs, vocab)]
         step_us = self.latency.step_us(num_prefill, num_decode)
-        return StepOutput(StepResult(plan.step_id, sampled, None, int(step_us))), step_us
+        return StepOutput(StepResult(plan.step_id, sampled, logprobs or None, int(step_us))), step_us
 
     def _protocol_violation(self, message: str) -> None:
         self._alive = False

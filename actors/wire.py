@@ -36,7 +36,7 @@ from cadence.statemachine.sampling import SamplingParams
 
 from .fields import (
     check_bool, check_dict, check_finite_float, check_ids, check_int, check_list, check_str,
-    check_strs, kind, optional, wrong,
+    check_alternatives, check_strs, kind, optional, wrong,
 )
 from .framing import HEADER_BYTES, MAX_FRAME_BYTES
 
@@ -429,7 +429,9 @@ class Output:
     """One delta of a stream: the tokens (and text) since the previous one.
 
     finish_reason is nil until the stream's last Output, then "stop", "length"
-    or "abort"; detail says more ("stop string", "timeout", ...).
+    or "abort"; detail says more ("stop string", "timeout", ...). logprobs (sent
+    only when the request asked for them) holds, per token, [token id, logprob]
+    pairs, the sampled token first; nil for a token the engine had none for.
     """
 
     stream: int
@@ -439,10 +441,12 @@ class Output:
     finish_reason: str | None = None
     detail: str = ""
     num_cached_tokens: int = 0
+    logprobs: list[list[tuple[int, float]] | None] | None = None
 
     TYPE: ClassVar[str] = "Output"
     _FIELDS: ClassVar[frozenset] = frozenset(
         {"stream", "token_ids", "text", "num_tokens", "finish_reason", "detail", "num_cached_tokens"})
+    _OPTIONAL: ClassVar[frozenset] = frozenset({"logprobs"})
 
     @property
     def finished(self) -> bool:
@@ -451,24 +455,35 @@ class Output:
 
     def to_wire(self) -> dict[str, Any]:
         """The msgpack payload map."""
-        return {
+        payload = {
             "stream": self.stream, "token_ids": self.token_ids, "text": self.text,
             "num_tokens": self.num_tokens, "finish_reason": self.finish_reason,
             "detail": self.detail, "num_cached_tokens": self.num_cached_tokens,
         }
+        if self.logprobs is not None:
+            payload["logprobs"] = self.logprobs
+        return payload
 
     @classmethod
     def from_wire(cls, payload: object) -> Output:
         """Validate a payload map and build the message; raises MessageError."""
-        m = _fields(payload, "Output", cls._FIELDS)
+        m = _fields(payload, "Output", cls._FIELDS, cls._OPTIONAL)
+        token_ids = _ids(m["token_ids"], "Output.token_ids")
+        logprobs = m.get("logprobs")
+        if logprobs is not None:
+            logprobs = [None if entry is None else check_alternatives(entry, f"Output.logprobs[{i}]")
+                        for i, entry in enumerate(_list(logprobs, "Output.logprobs"))]
+            if len(logprobs) != len(token_ids):
+                raise MessageError(f"Output.logprobs: {len(logprobs)} entries for {len(token_ids)} tokens")
         return cls(
             stream=_int(m["stream"], "Output.stream", 0, MAX_ID),
-            token_ids=_ids(m["token_ids"], "Output.token_ids"),
+            token_ids=token_ids,
             text=_optional(_str, m["text"], "Output.text"),
             num_tokens=_int(m["num_tokens"], "Output.num_tokens"),
             finish_reason=_optional(_str, m["finish_reason"], "Output.finish_reason"),
             detail=_str(m["detail"], "Output.detail"),
             num_cached_tokens=_int(m["num_cached_tokens"], "Output.num_cached_tokens"),
+            logprobs=logprobs,
         )
 
 

@@ -78,9 +78,11 @@ class RequestEvent:
     transition: the FSM event the request went through (None: tokens only).
     token_ids: tokens generated this step (possibly empty).
     finish_reason: set when `transition` completes the request.
+    logprobs: for each of `token_ids`, the executor's (token id, logprob) pairs,
+      when the request asked for them and the executor sent them; else None.
     """
 
-    __slots__ = ("request_id", "transition", "token_ids", "finish_reason", "detail")
+    __slots__ = ("request_id", "transition", "token_ids", "finish_reason", "detail", "logprobs")
 
     def __init__(
         self,
@@ -95,6 +97,7 @@ class RequestEvent:
         self.token_ids = token_ids
         self.finish_reason = finish_reason
         self.detail = detail
+        self.logprobs: list[list[tuple[int, float]]] | None = None
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RequestEvent):
@@ -105,6 +108,7 @@ class RequestEvent:
             and list(self.token_ids) == list(other.token_ids)
             and self.finish_reason == other.finish_reason
             and self.detail == other.detail
+            and self.logprobs == other.logprobs
         )
 
     def __repr__(self) -> str:

@@ -286,6 +286,7 @@ class Scheduler:
         charge = policy.on_tokens if getattr(policy, "charges_tokens", True) else None
         num_generated = 0
         any_finished = False
+        first_event = len(events)
         for rid in plan.num_scheduled_tokens:
             request = requests.get(rid)
             if request is None or request.fsm.state is not RUNNING or request.admitted_step > step_id:
@@ -338,6 +339,8 @@ class Scheduler:
                 any_finished = True
         if any_finished:
             self.running = [r for r in self.running if r.fsm.state is RUNNING]
+        if result.logprobs:
+            self._attach_logprobs(events, first_event, result.logprobs)
         self.collector.num_tokens_generated += num_generated
         self._check()
         return events
@@ -531,6 +534,15 @@ class Scheduler:
             return 0
         held_back = int(-(-(self.config.admission_growth_share * growth) // 1))
         return held_back if held_back > self._watermark_blocks else self._watermark_blocks
+
+    @staticmethod
+    def _attach_logprobs(events: list[RequestEvent], first: int,
+                         logprobs: dict[str, list[list[tuple[int, float]]]]) -> None:
+        """Give each token event of this update the log-probabilities of its tokens."""
+        for event in events[first:]:
+            per_token = logprobs.get(event.request_id)
+            if per_token and event.token_ids:
+                event.logprobs = list(per_token[:len(event.token_ids)])
 
     @staticmethod
     def _stop_reason(request: Request, token: int, num_output: int, num_tokens: int,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
+import msgpack
 import pytest
 import trio
 
@@ -21,7 +22,7 @@ from cadence.actors.wire import (
     Accepted, ClientTimeoutError, ConnectionClosedError, Error, LimitExceededError, Output,
     RemoteQueueFullError, ServerShutdownError, Welcome, encode, pack_frame,
 )
-from cadence.statemachine.errors import ConfigError, QueueFullError
+from cadence.statemachine.errors import ConfigError, ProtocolError, QueueFullError
 from cadence.statemachine.sampling import SamplingParams
 
 from test_server_support import SLOW_STEP, engine_config, expected_tokens, server_config, settled
@@ -277,3 +278,27 @@ async def test_trio_client_errors_and_timeouts():
                     pass
             await stream.aclose()  # aborts it on the server
         await settled(server)
+
+
+def test_sync_client_receives_logprobs_only_when_asked(served):
+    with Client.connect(served.server.tcp_address, timeout_s=_TIMEOUT_S) as client:
+        asked = client.generate([1, 2], max_tokens=6, logprobs=3).collect()
+        plain = client.generate([1, 2], max_tokens=6).collect()
+    assert len(asked.logprobs) == len(asked.token_ids) == 6
+    assert all(entry[0][0] == token and len(entry) == 4
+               for token, entry in zip(asked.token_ids, asked.logprobs))
+    assert plain.logprobs is None
+
+
+def test_output_logprobs_round_trip_and_are_checked():
+    """Output.logprobs crosses msgpack intact and a malformed one names its field."""
+    out = Output(3, [5, 6], None, 2, logprobs=[[(5, 0.0), (9, -1.0)], None])
+    wire = msgpack.unpackb(msgpack.packb(out.to_wire()))
+    assert Output.from_wire(wire) == out
+    assert "logprobs" not in Output(3, [5], None, 1).to_wire()
+    wire["logprobs"] = [[[5, 0.0]]]
+    with pytest.raises(ProtocolError, match="Output.logprobs: 1 entries for 2 tokens"):
+        Output.from_wire(wire)
+    wire["logprobs"] = [[[5, "x"]], None]
+    with pytest.raises(ProtocolError, match=r"Output\.logprobs\[0\]\[0\]\[1\]: expected float"):
+        Output.from_wire(wire)

@@ -285,3 +285,20 @@ async def test_plan_ahead_overlaps_prefill_chunks_without_changing_outputs(autoj
             results[plan_ahead] = (outs, engine.scheduler.num_planned_ahead)
     assert results[True][0] == results[False][0]
     assert results[True][1] > 0 and results[False][1] == 0
+
+
+async def test_logprobs_reach_each_delta_and_the_collected_result(autojump_clock):
+    """A request asking for logprobs gets, per token, the sampled token first and
+    then that many alternatives; one that does not ask gets None."""
+    async with open_engine(config(text_executor())) as engine:
+        outs = await collect(engine.generate("hello", SamplingParams(max_tokens=5, logprobs=2),
+                                             request_id="a"))
+        result = await engine.generate("hello", SamplingParams(max_tokens=3, logprobs=1),
+                                       request_id="b").collect()
+        plain = await engine.generate("hello", SamplingParams(max_tokens=3), request_id="c").collect()
+    for out in outs:
+        assert len(out.logprobs) == len(out.token_ids)
+        for token, entry in zip(out.token_ids, out.logprobs):
+            assert entry[0] == (token, 0.0) and len(entry) == 3
+    assert [entry[0][0] for entry in result.logprobs] == result.token_ids
+    assert plain.logprobs is None

@@ -150,3 +150,23 @@ async def test_the_actor_task_ending_by_cancellation_sends_an_abort():
         await trio.testing.wait_all_tasks_blocked()
         nursery.cancel_scope.cancel()
     assert aborts == [("r", "cancelled")]
+
+
+async def test_logprobs_stay_aligned_with_tokens_through_merges_and_a_stop_string():
+    """Each delta carries one log-probability entry per token (None where an event
+    had none); tokens after a stop string are dropped with their entries."""
+    actor = make_actor([], stops=["cd"])
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(actor.run)
+        actor.deliver(RequestEvent("r", E.ADMIT))
+        actor.deliver(RequestEvent("r", None, [ord("a")]))  # no logprobs for this one
+        event = RequestEvent("r", None, list(b"bcde"))
+        event.logprobs = [[(t, -float(t))] for t in b"bcde"]
+        actor.deliver(event)
+        await trio.testing.wait_all_tasks_blocked()
+        outs = await drain(actor)
+        actor.deliver(RequestEvent("r", E.ABORT, (), FinishReason.ABORT))
+    tokens = [t for o in outs for t in o.token_ids]
+    logprobs = [entry for o in outs for entry in (o.logprobs or [None] * len(o.token_ids))]
+    assert tokens == list(b"abcd")
+    assert logprobs == [None] + [[(t, -float(t))] for t in b"bcd"]

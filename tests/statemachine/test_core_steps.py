@@ -219,3 +219,22 @@ def test_prefix_counters_count_each_request_once_across_executor_loss():
     s.executor_lost()
     run_until_idle(s)
     assert s.stats().num_prefix_query_tokens == 8
+
+
+def test_update_hands_each_token_event_its_logprobs():
+    """The executor's log-probabilities ride on the token events; a request whose
+    stop token ends it mid-list keeps only its tokens' entries; one without gets None."""
+    s = make_scheduler()
+    s.add_request(make_request("with", 4, max_tokens=8, stop=[7]))
+    s.add_request(make_request("without", 4, max_tokens=8))
+    plan = s.schedule()
+    first = [[(5, -0.5), (6, -1.5)]]
+    result = StepResult(plan.step_id, {"with": [5], "without": [5]}, {"with": first})
+    events = {e.request_id: e for e in s.update(plan, result) if e.token_ids}
+    assert events["with"].logprobs == first and events["without"].logprobs is None
+    plan = s.schedule()
+    two = [[(7, -0.1)], [(9, -2.0)]]
+    result = StepResult(plan.step_id, {"with": [7, 9], "without": [5]}, {"with": two})
+    events = {e.request_id: e for e in s.update(plan, result) if e.token_ids}
+    assert events["with"].token_ids == [7] and events["with"].finish_reason is FinishReason.STOP
+    assert events["with"].logprobs == two[:1]
