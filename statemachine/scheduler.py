@@ -389,7 +389,11 @@ class Scheduler:
         short_of_blocks = False
         num_admitted = 0
         preemptive = getattr(policy, "preempts_running", True)
-        growth, until = self._projected_growth()
+        # Start from a bound on the projection (growth over the whole horizon, no
+        # release credited): an admission that fits beside it fits beside the
+        # projection, which is only computed when the bound is too tight.
+        horizon = config.admission_headroom_steps
+        growth, until, exact = len(self.running) * horizon / block_size, horizon, False
         num_releases = blocks.num_releases
         while True:
             has_room = budget > 0 and len(scheduled) < seats
@@ -397,8 +401,12 @@ class Scheduler:
                 break
             if blocks.num_releases != num_releases:  # a preemption changed who runs
                 growth, until = self._projected_growth()
-                num_releases = blocks.num_releases
+                num_releases, exact = blocks.num_releases, True
             reserve = self._admission_reserve(growth)
+            if not preemptive and blocks.num_free_blocks <= reserve and not exact:
+                growth, until = self._projected_growth()
+                exact = True
+                reserve = self._admission_reserve(growth)
             if not preemptive and blocks.num_free_blocks <= reserve:
                 break  # every admission needs at least one fresh block
             request = policy.pop()
@@ -431,17 +439,23 @@ class Scheduler:
             else:
                 if blocks.num_releases != num_releases:  # a running request made way for it
                     growth, until = self._projected_growth()
-                    num_releases = blocks.num_releases
+                    num_releases, exact = blocks.num_releases, True
                     reserve = self._admission_reserve(growth)
                 # Cheap refusal first: even reviving no hit, the fresh blocks do not fit.
-                fits = (blocks.blocks_for(request.num_tokens) - len(hits) + reserve
-                        <= blocks.num_free_blocks) and blocks.allocate(
+                fresh = blocks.blocks_for(request.num_tokens) - len(hits)
+                fits = fresh + reserve <= blocks.num_free_blocks and blocks.allocate(
                     request.request_id, hits, request.num_tokens, reserve)
+                if not fits and not exact:
+                    growth, until = self._projected_growth()
+                    exact = True
+                    reserve = self._admission_reserve(growth)
+                    fits = fresh + reserve <= blocks.num_free_blocks and blocks.allocate(
+                        request.request_id, hits, request.num_tokens, reserve)
                 while not fits and self._preempt_for(request, hits, scheduled, new_block_ids,
                                                      preempted):
                     budget = config.max_num_batched_tokens - sum(scheduled.values())
                     growth, until = self._projected_growth()
-                    num_releases = blocks.num_releases
+                    num_releases, exact = blocks.num_releases, True
                     reserve = self._admission_reserve(growth)
                     fits = blocks.allocate(request.request_id, hits, request.num_tokens, reserve)
             if not fits:
