@@ -3,10 +3,11 @@
     llm = LLM(max_num_seqs=8)
     results = llm.generate(["Hello", "World"], SamplingParams(max_tokens=16))
 
-Each `generate` call opens an engine inside its own `trio.run`, submits every
-prompt at once in order (again later, if the waiting queue was full),
-collects the finished requests, and shuts the engine down again; so the
-executor starts once per call.
+The engine (and its executor, with the model's weights) starts on the first
+`generate` in a background thread with its own Trio run, and serves every
+later call until `close()` (or the end of a `with LLM(...) as llm:` block).
+Each call submits every prompt at once in order (again later, if the waiting
+queue was full) and collects the finished requests.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from cadence.statemachine.errors import ConfigError, QueueFullError
 from cadence.statemachine.sampling import SamplingParams
 from cadence.statemachine.stats import StatsSummary
 
-from .engine import EngineConfig, open_engine
+from .engine import Engine, EngineConfig, open_engine
 from .request_actor import RequestResult
+from .trio_thread import TrioThread
 
 __all__ = ["LLM"]
 
@@ -60,6 +62,37 @@ class LLM:
             raise ConfigError("pass either an EngineConfig or keyword options, not both")
         self.config = config if config is not None else EngineConfig.from_kwargs(**kwargs)
         self.last_stats: StatsSummary | None = None
+        self._host: TrioThread[Engine] | None = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Shut the engine down (a later `generate` starts a new one)."""
+        host, self._host = self._host, None
+        if host is not None:
+            host.stop()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - nothing can be reported from a finaliser
+            pass
+
+    def _engine(self) -> tuple[TrioThread[Engine], Engine]:
+        """The running engine; a new one if there is none or the last one gave up."""
+        host = self._host
+        if host is not None and (not host.running or host.resource.closed):
+            self.close()
+            host = None
+        if host is None:
+            host = TrioThread(lambda: open_engine(self.config), name="cadence-llm")
+            host.start()  # raises what starting the engine raised
+            self._host = host
+        return host, host.resource
 
     def generate(
         self,
@@ -78,37 +111,37 @@ class LLM:
             per_prompt = list(params)
             if len(per_prompt) != len(prompts):
                 raise ConfigError(f"{len(prompts)} prompts but {len(per_prompt)} SamplingParams")
-        return trio.run(self._generate, prompts, per_prompt, use_tqdm)
+        host, engine = self._engine()
+        return host.run(self._generate, engine, prompts, per_prompt, use_tqdm)
 
-    async def _generate(self, prompts: list[Prompt], params: list[SamplingParams],
+    async def _generate(self, engine: Engine, prompts: list[Prompt], params: list[SamplingParams],
                         use_tqdm: bool) -> list[RequestResult]:
         results: list[RequestResult | None] = [None] * len(prompts)
         bar = _progress_bar(len(prompts), use_tqdm)
         try:
-            async with open_engine(self.config) as engine:
-                pending = list(range(len(prompts)))
-                while pending:
-                    # Everything is handed over before the first step, in prompt order;
-                    # what the full waiting queue refused goes again once the rest is done.
-                    streams = [(i, engine.generate(prompts[i], params[i]).enqueue()) for i in pending]
-                    refused: list[int] = []
+            pending = list(range(len(prompts)))
+            while pending:
+                # Everything is handed over before the first step, in prompt order;
+                # what the full waiting queue refused goes again once the rest is done.
+                streams = [(i, engine.generate(prompts[i], params[i]).enqueue()) for i in pending]
+                refused: list[int] = []
 
-                    async def collect(index: int, stream) -> None:
-                        try:
-                            results[index] = await stream.collect()
-                        except QueueFullError:
-                            refused.append(index)
-                            return
-                        bar.update(1)
+                async def collect(index: int, stream) -> None:
+                    try:
+                        results[index] = await stream.collect()
+                    except QueueFullError:
+                        refused.append(index)
+                        return
+                    bar.update(1)
 
-                    async with trio.open_nursery() as nursery:
-                        for index, stream in streams:
-                            nursery.start_soon(collect, index, stream)
-                    if len(refused) == len(pending):
-                        raise QueueFullError(
-                            f"the waiting queue refused all {len(refused)} remaining prompts")
-                    pending = sorted(refused)
-                self.last_stats = engine.stats()
+                async with trio.open_nursery() as nursery:
+                    for index, stream in streams:
+                        nursery.start_soon(collect, index, stream)
+                if len(refused) == len(pending):
+                    raise QueueFullError(
+                        f"the waiting queue refused all {len(refused)} remaining prompts")
+                pending = sorted(refused)
+            self.last_stats = engine.stats()
         finally:
             bar.close()
         return results  # type: ignore[return-value]

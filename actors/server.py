@@ -35,7 +35,6 @@ import signal
 import socket
 import stat
 import sys
-import threading
 from collections import Counter, deque
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
@@ -53,6 +52,7 @@ from .engine import EXECUTOR_KINDS, Engine, EngineConfig, RequestStream, open_en
 from .framing import MAX_FRAME_BYTES
 from .metrics import NullMetrics, ServerMetrics, serve_metrics
 from .simulated import LatencyModel
+from .trio_thread import TrioThread
 from .wire import (
     DEFAULT_MAX_REQUEST_FRAME_BYTES, Abort, Accepted, Error, ErrorCode, FrameBuffer,
     FrameTooLargeError, Generate, HealthQuery, HealthReply, Hello, MessageError, Output,
@@ -943,18 +943,17 @@ class ServerThread:
 
     def __init__(self, engine_config: EngineConfig | None = None,
                  server_config: ServerConfig | None = None, *, metrics: bool | None = None) -> None:
-        self._args = (engine_config, server_config, metrics)
-        self.server: Server | None = None
-        self._token: trio.lowlevel.TrioToken | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._main, name="cadence-server", daemon=True)
+        self._host: TrioThread[Server] = TrioThread(
+            lambda: open_server(engine_config, server_config, metrics=metrics),
+            name="cadence-server", until=lambda server: server.wait_stopped())
+
+    @property
+    def server(self) -> Server | None:
+        """The running server (None before `__enter__`)."""
+        return self._host.resource
 
     def __enter__(self) -> ServerThread:
-        self._thread.start()
-        self._ready.wait()
-        if self._error is not None:
-            raise self._error
+        self._host.start()
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -962,34 +961,16 @@ class ServerThread:
 
     def call(self, fn, *args):
         """Run a synchronous function in the server's Trio thread and return its result."""
-        return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
+        return self._host.call(fn, *args)
 
     def stop(self, grace_s: float = 0.0) -> None:
         """Shut the server down and wait for the thread to end."""
-        if self._thread.is_alive() and self.server is not None:
+        if self._host.running:
             try:
                 self.call(self.server.shutdown, grace_s)
             except trio.RunFinishedError:
                 pass
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-
-    def _main(self) -> None:
-        try:
-            trio.run(self._run)
-        except BaseException as exc:  # surfaced to the caller by __enter__ or stop
-            self._error = exc
-        finally:
-            self._ready.set()
-
-    async def _run(self) -> None:
-        engine_config, server_config, metrics = self._args
-        async with open_server(engine_config, server_config, metrics=metrics) as server:
-            self.server = server
-            self._token = trio.lowlevel.current_trio_token()
-            self._ready.set()
-            await server.wait_stopped()
+        self._host.stop()
 
 
 # ---------------------------------------------------------------------------

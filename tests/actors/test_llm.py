@@ -3,6 +3,8 @@ waiting queue is full, and validation errors raised to the caller."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from cadence.actors import LLM, ConfigError, EngineConfig, RequestTooLongError, SamplingParams
@@ -37,3 +39,29 @@ def test_mistakes_raise():
         llm.generate(["x" * 20], SamplingParams(max_tokens=2), use_tqdm=False)
     with pytest.raises(ConfigError, match="2 prompts but 1"):
         llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
+
+
+def _llm_threads() -> int:
+    return sum(1 for t in threading.enumerate() if t.name == "cadence-llm" and t.is_alive())
+
+
+def test_one_engine_serves_every_call_until_close():
+    """The engine (and its executor) starts once: the core's counters run on across
+    calls; close() ends its thread, and a later call starts a fresh engine."""
+    before = _llm_threads()
+    with LLM(max_num_seqs=2) as llm:
+        llm.generate(["a", "b"], SamplingParams(max_tokens=2), use_tqdm=False)
+        llm.generate(["c", "d", "e"], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert llm.last_stats.num_requests_added == 5
+        assert _llm_threads() == before + 1
+        llm.close()
+        assert _llm_threads() == before
+        llm.generate(["f"], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert llm.last_stats.num_requests_added == 1
+    assert _llm_threads() == before
+
+
+def test_logprobs_come_back_from_generate():
+    with LLM() as llm:
+        [result] = llm.generate("hi", SamplingParams(max_tokens=4, logprobs=1), use_tqdm=False)
+    assert [entry[0][0] for entry in result.logprobs] == result.token_ids
