@@ -104,7 +104,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_lookahead=draw(st.integers(0, 4), label="max_lookahead"),
             preempt_for_priority=draw(st.sampled_from([True, True, False]), label="preempt_for_priority"),
             admission_watermark=draw(st.sampled_from([0.0, 0.0, 0.1, 0.3]), label="watermark"),
-            admission_headroom_steps=draw(st.sampled_from([0, 0, 2, 16]), label="headroom steps"),
+            admission_headroom_steps=draw(st.sampled_from([0, 0, 2, 16, 128]), label="headroom steps"),
+            admission_growth_share=draw(st.sampled_from([0.0, 0.5, 0.95, 1.0]), label="growth share"),
             debug_checks=True,
         )
         full = -(-max_model_len // block_size)  # blocks one request of max_model_len needs
