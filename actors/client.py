@@ -298,14 +298,10 @@ def _timeout_error(timeout_s: float, what: str) -> ClientTimeoutError:
     return ClientTimeoutError(f"no {what} from the server within {timeout_s} s")
 
 
-# ---------------------------------------------------------------------------
-# Synchronous client.
+class _StreamHandle:
+    """What every client's stream tells about itself: ids and the prompt's length."""
 
-
-class SyncStream:
-    """A stream of the synchronous client: iterate it for `Output` deltas."""
-
-    def __init__(self, client: Client, state: StreamState) -> None:
+    def __init__(self, client, state: StreamState) -> None:
         self._client = client
         self._state = state
 
@@ -318,6 +314,19 @@ class SyncStream:
     def request_id(self) -> str | None:
         """The server's request id, once the server has accepted the request."""
         return self._state.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int | None:
+        """The prompt's length in tokens, once the server has accepted the request."""
+        return self._state.num_prompt_tokens
+
+
+# ---------------------------------------------------------------------------
+# Synchronous client.
+
+
+class SyncStream(_StreamHandle):
+    """A stream of the synchronous client: iterate it for `Output` deltas."""
 
     def __iter__(self) -> SyncStream:
         return self
@@ -490,28 +499,9 @@ class Client:
 # Trio client.
 
 
-class AsyncStream:
+class AsyncStream(_StreamHandle):
     """A stream of the Trio client: `async for out in stream`. Leaving an
     `async with stream` block early aborts the request."""
-
-    def __init__(self, client: AsyncClient, state: StreamState) -> None:
-        self._client = client
-        self._state = state
-
-    @property
-    def stream_id(self) -> int:
-        """The stream's id on this connection."""
-        return self._state.stream
-
-    @property
-    def request_id(self) -> str | None:
-        """The server's request id, once accepted."""
-        return self._state.request_id
-
-    @property
-    def num_prompt_tokens(self) -> int | None:
-        """The prompt's length in tokens, once accepted."""
-        return self._state.num_prompt_tokens
 
     def __aiter__(self) -> AsyncStream:
         return self
@@ -596,6 +586,23 @@ class _AsyncClientCalls:
         """Whether the server takes requests, with a few gauges."""
         return await self._query(HealthQuery)
 
+    async def _wait(self, key: tuple[str, Any]) -> None:
+        """Wait until `_wake` is called with `key` (or the connection is lost)."""
+        event = self._waiters.get(key)
+        if event is None:
+            event = self._waiters[key] = self._new_event()
+        await event.wait()
+
+    def _wake(self, keys) -> None:
+        for key in keys:
+            event = self._waiters.pop(key, None)
+            if event is not None:
+                event.set()
+        if ("connection", None) in keys and self.protocol.error is not None:
+            for event in self._waiters.values():
+                event.set()
+            self._waiters.clear()
+
 
 class AsyncClient(_AsyncClientCalls):
     """A Trio client over one connection, safe to share between tasks.
@@ -604,6 +611,7 @@ class AsyncClient(_AsyncClientCalls):
     """
 
     _stream_class = AsyncStream
+    _new_event = trio.Event
 
     def __init__(self, stream: trio.abc.Stream, protocol: ClientProtocol, timeout_s: float) -> None:
         self.stream = stream
@@ -620,22 +628,6 @@ class AsyncClient(_AsyncClientCalls):
                 await self._wait(("reply", ref))
             return reply
         raise _timeout_error(self.timeout_s, f"{kind.TYPE} reply")
-
-    async def _wait(self, key: tuple[str, Any]) -> None:
-        event = self._waiters.get(key)
-        if event is None:
-            event = self._waiters[key] = trio.Event()
-        await event.wait()
-
-    def _wake(self, keys) -> None:
-        for key in keys:
-            event = self._waiters.pop(key, None)
-            if event is not None:
-                event.set()
-        if ("connection", None) in keys and self.protocol.error is not None:
-            for event in self._waiters.values():
-                event.set()
-            self._waiters.clear()
 
     async def _send_bytes(self, frame: bytes | None) -> None:
         if frame is None:
@@ -716,22 +708,8 @@ async def open_client(address: Address, *, token: str | None = None,
 # asyncio client.
 
 
-class AsyncioStream:
+class AsyncioStream(_StreamHandle):
     """A stream of the asyncio client: `async for out in stream`."""
-
-    def __init__(self, client: AsyncioClient, state: StreamState) -> None:
-        self._client = client
-        self._state = state
-
-    @property
-    def stream_id(self) -> int:
-        """The stream's id on this connection."""
-        return self._state.stream
-
-    @property
-    def request_id(self) -> str | None:
-        """The server's request id, once accepted."""
-        return self._state.request_id
 
     def __aiter__(self) -> AsyncioStream:
         return self
@@ -787,6 +765,7 @@ class AsyncioClient(_AsyncClientCalls):
     then `await client.aclose()` (or `async with`)."""
 
     _stream_class = AsyncioStream
+    _new_event = asyncio.Event
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                  protocol: ClientProtocol, timeout_s: float) -> None:
@@ -867,22 +846,6 @@ class AsyncioClient(_AsyncClientCalls):
             if isinstance(exc, ClientTimeoutError):
                 raise
             raise _timeout_error(self.timeout_s, f"{kind.TYPE} reply") from None
-
-    async def _wait(self, key: tuple[str, Any]) -> None:
-        event = self._waiters.get(key)
-        if event is None:
-            event = self._waiters[key] = asyncio.Event()
-        await event.wait()
-
-    def _wake(self, keys) -> None:
-        for key in keys:
-            event = self._waiters.pop(key, None)
-            if event is not None:
-                event.set()
-        if ("connection", None) in keys and self.protocol.error is not None:
-            for event in self._waiters.values():
-                event.set()
-            self._waiters.clear()
 
     async def _send_bytes(self, frame: bytes | None) -> None:
         if frame is None:
