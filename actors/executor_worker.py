@@ -210,7 +210,8 @@ def build_runner(init: InitExecutor) -> ModelRunnerLike:
 
     A model name that is a preset of cadence.gpu gets random weights from
     `init.seed`; anything else is read as a Hugging Face checkpoint directory.
-    Options understood for real models: attention_backend (str),
+    Options understood for real models: attention_backend (str), fused_elementwise
+    (bool, one device only: RMSNorm and SwiGLU as single Triton kernels),
     gpu_memory_utilization (float), max_num_seqs (int), and tp (int: shard
     the model across that many local ranks, see `_build_tensor_parallel_runner`).
     """
@@ -240,7 +241,7 @@ def build_runner(init: InitExecutor) -> ModelRunnerLike:
         "seed": init.seed,
         "max_num_batched_tokens": init.max_num_batched_tokens,
     }
-    for name in ("attention_backend", "gpu_memory_utilization", "max_num_seqs"):
+    for name in ("attention_backend", "gpu_memory_utilization", "max_num_seqs", "fused_elementwise"):
         if name in options:
             kwargs[name] = options[name]
     if init.model in gpu_config.PRESETS:

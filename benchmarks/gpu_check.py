@@ -296,7 +296,7 @@ def _cadence_options(s: Settings) -> dict:
 
 
 def _make_runner(s: Settings, *, dtype: str, weights: Path | None = None, num_blocks: int | None = None,
-                 max_num_seqs: int | None = None) -> ModelRunner:
+                 max_num_seqs: int | None = None, fused_elementwise: bool = False) -> ModelRunner:
     if s.tp > 1:
         # Ranks 1..tp-1 are spawned on this machine; decode graphs are not used with tp > 1.
         from cadence.gpu import parallel
@@ -311,6 +311,7 @@ def _make_runner(s: Settings, *, dtype: str, weights: Path | None = None, num_bl
         num_blocks=num_blocks, block_size=16, device=s.device, dtype=dtype, attention_backend=s.attention_backend,
         max_num_seqs=max_num_seqs or s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
         max_model_len=s.max_model_len, gpu_memory_utilization=s.gpu_memory_utilization, **graphs,
+        fused_elementwise=fused_elementwise,
     )
     if weights is None:
         return ModelRunner(preset(s.preset), seed=0, **options)
@@ -344,6 +345,7 @@ def stage_cadence(record: dict, s: Settings, report: Report, workload, slice_wor
     report.save()
     shared["cadence_run_outputs"] = {rid: on["outputs"][rid][: s.greedy_tokens]
                                       for rid in list(on["outputs"])[: s.greedy_requests]}
+    shared["cadence_tokens_per_s"] = on["record"]["tokens_per_s"]
     floor = report.data["stages"].get("ceilings", {}).get("floor")
     if floor:
         record["graphs_on"]["fraction_of_floor"] = floor["floor_s"] / on["record"]["seconds"]
@@ -376,6 +378,26 @@ def stage_cadence(record: dict, s: Settings, report: Report, workload, slice_wor
     shared["checkpoint"] = checkpoint
     record["checkpoint"] = str(checkpoint)
     del runner, graphs
+    free_memory(s.device)
+
+
+def stage_fused(record: dict, s: Settings, workload, shared: dict) -> None:
+    """The workload again with RMSNorm and SwiGLU as single Triton kernels (graphs on):
+    throughput against the unfused run, and greedy tokens against it."""
+    if s.device != "cuda" or s.tp > 1:
+        record["detail"] = "not run: needs one CUDA device (the CPU interpreter is far too slow)"
+        return
+    runner = _make_runner(s, dtype=s.dtype, fused_elementwise=True)
+    fused = _timed_run(runner, workload, s)
+    record["fused"] = fused["record"]
+    unfused_rate = shared.get("cadence_tokens_per_s")
+    if unfused_rate:
+        record["fused_over_unfused"] = fused["record"]["tokens_per_s"] / unfused_rate
+    reference = shared.get("cadence_run_outputs") or {}
+    record["fused_vs_unfused_outputs"] = throughput.compare_tokens(
+        {rid: fused["outputs"][rid][: s.greedy_tokens] for rid in reference}, reference)
+    print(json.dumps({"cadence_fused": fused["record"]}), flush=True)
+    del runner
     free_memory(s.device)
 
 
@@ -479,6 +501,14 @@ def summary_rows(data: dict) -> list[tuple[str, str, str]]:
                     if "gpu_idle_s" in off:
                         text += f" (idle {off['gpu_idle_s']:.2f} s)"
                 return text
+            if name == "fused":
+                if "fused" not in r:
+                    return r.get("detail", "")
+                same = r["fused_vs_unfused_outputs"]
+                text = f"fused {r['fused']['tokens_per_s']:.0f} tok/s"
+                if "fused_over_unfused" in r:
+                    text += f" (x{r['fused_over_unfused']:.2f} of unfused)"
+                return text + f"; greedy {same['num_identical']}/{same['num_compared']} identical"
             if name == "greedy":
                 parts = []
                 for key in ("cadence_fp32_graphs_vs_hf_fp32", "cadence_fp32_graphs_vs_eager",
@@ -549,6 +579,7 @@ def main(argv=None) -> int:
         ("ceilings", stage_ceilings, 150, dict(s=s, workload=workload)),
         ("cadence", stage_cadence, 120, dict(s=s, report=report, workload=workload,
                                              slice_workload=slice_workload, shared=shared)),
+        ("fused", stage_fused, 60, dict(s=s, workload=workload, shared=shared)),
         ("greedy", stage_greedy, 60, dict(s=s, workload=workload, shared=shared)),
         ("hf", stage_hf, 45, dict(s=s, report=report, slice_workload=slice_workload, shared=shared)),
         ("pytest", stage_pytest, 60, dict(s=s, report=report)),

@@ -28,18 +28,32 @@ INIT_STD = 0.02
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square normalisation over the last dimension, computed in float32."""
+    """Root-mean-square normalisation over the last dimension, computed in float32.
+
+    `fused` (set through `CausalLM.set_fused_elementwise`) runs it as one Triton
+    kernel instead of torch's chain of elementwise ops; rounding is the same.
+    """
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None, device=None) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+        self.fused = None  # the triton_fused module when fused, else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise `x` and scale by the learned weight."""
+        if self.fused is not None:
+            return self.fused.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x) for [T, H] tensors."""
+        if self.fused is not None:
+            return self.fused.rms_norm(x, self.weight, self.eps, residual)
+        total = residual + x
+        return self(total), total
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -140,9 +154,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, **linear)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, **linear)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, **linear)
+        self.fused = None  # the triton_fused module when fused, else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the feed-forward block."""
+        if self.fused is not None:
+            return self.down_proj(self.fused.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -158,8 +175,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden, rope, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """Run the block on hidden [T, hidden_size]."""
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attn = self.self_attn(self.input_layernorm(hidden), rope, kv_cache, meta)
+        normed, hidden = self.post_attention_layernorm.add_and_norm(attn, hidden)
+        return hidden + self.mlp(normed)
 
 
 class DecoderStack(nn.Module):
@@ -212,6 +230,18 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.backend = backend
         return previous
+
+    def set_fused_elementwise(self, on: bool) -> None:
+        """Run every RMSNorm (with the residual add after attention) and SwiGLU
+        activation as single Triton kernels (`cadence.gpu.triton_fused`), or as
+        torch ops. Results agree up to the float32 order of the norm's sum."""
+        fused = None
+        if on:
+            from . import triton_fused  # needs triton; imported only when asked for
+            fused = triton_fused
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, MLP)):
+                module.fused = fused
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab_size] for hidden states [N, hidden_size]."""

@@ -14,6 +14,8 @@ CUDA graph (see `cuda_graphs`).
 
 from __future__ import annotations
 
+import os
+
 import time
 from array import array
 from collections.abc import Sequence as SequenceABC
@@ -194,6 +196,9 @@ class ModelRunner:
       `max_num_seqs` sequences; None means on for CUDA with the "triton" backend.
     pad_decode_batches: run pure-decode steps padded to the graph batch sizes even
       without graphs (eagerly): the CPU twin of the graph path, for tests and debugging.
+    fused_elementwise: RMSNorm (with the residual add after attention) and SwiGLU
+      as single Triton kernels (`cadence.gpu.triton_fused`); CUDA, or Triton's CPU
+      interpreter in tests. Off by default until measured on a GPU.
     """
 
     def __init__(
@@ -212,6 +217,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         use_cuda_graphs: bool | None = None,
         pad_decode_batches: bool = False,
+        fused_elementwise: bool = False,
     ) -> None:
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}")
@@ -237,7 +243,13 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.use_cuda_graphs = self._resolve_cuda_graphs(use_cuda_graphs, attention_backend)
         self.backend = get_attention_backend(attention_backend)
+        if fused_elementwise and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError("fused_elementwise needs a CUDA device (or TRITON_INTERPRET=1 to run "
+                              "the kernels in Triton's CPU interpreter, for tests)")
         self.model = self._build_model(weights_path, seed)
+        if fused_elementwise:
+            # Before any decode graph is captured, so the graphs hold the fused kernels.
+            self.model.set_fused_elementwise(True)
         self.sampler = Sampler(model_config.eos_token_ids, seed=seed, device=self.device)
         self._requests: dict[str, CachedRequestState] = {}
         self._max_blocks_per_seq = -(-self.max_model_len // block_size)
