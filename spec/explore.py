@@ -182,7 +182,7 @@ def canonical_key(h: Harness, horizon: int, counter_cap: float = float("inf"),
     arrival_order = tuple(pos[r.request_id] for r in sorted(
         requests.values(), key=lambda r: (r.arrival_s, getattr(r, "arrival_seq", 0))))
     key = (len(running), tuple(reqs), blocks, inflight, arrival_order,
-           _policy_key(s.policy, pos, counter_cap, tenants), _scheduler_extra(s))
+           _policy_key(s.policy, pos, counter_cap, tenants), _scheduler_extra(s, pos))
     return key, names
 
 
@@ -192,15 +192,22 @@ _COVERED = frozenset({
     "config", "cache_config", "policy", "blocks", "requests", "running", "step_id", "now_s",
     "collector", "num_resume_hit_tokens", "_watermark_blocks", "_finished_ids", "_events",
     "_inflight", "_deadline_of", "_checker", "_queue_version", "_failed_admission",
-    "_num_arrivals"})
+    "_num_arrivals", "_admission_cut", "_min_need"})
 
 
-def _scheduler_extra(s) -> tuple:
-    """Scheduler state outside the requests, blocks and policy that can change a decision."""
+def _scheduler_extra(s, pos: dict[str, int] | None = None) -> tuple:
+    """Scheduler state outside the requests, blocks and policy that can change a decision.
+
+    The failed-admission memo is kept relative to the state (whether its counters
+    still match, steps left in its window, the need, the cut request's position),
+    never as absolute counters, so equal situations merge."""
     failed = getattr(s, "_failed_admission", None)
     memo = None
     if failed is not None and failed[0] == getattr(s, "_queue_version", None):
-        memo = tuple(failed[1:])
+        cut = getattr(s, "_admission_cut", None)
+        memo = (failed[1] == s.blocks.num_releases, max(0, failed[2] - s.step_id),
+                getattr(s, "_min_need", 0),
+                None if cut is None else (pos or {}).get(cut.request_id, cut.request_id))
     # An attribute this function does not know is kept whole: exact, if perhaps larger.
     unknown = tuple((k, repr(v)) for k, v in sorted(vars(s).items()) if k not in _COVERED)
     return (memo, unknown)

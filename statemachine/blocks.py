@@ -11,7 +11,8 @@ hash once computed, so a lookup costs a memory compare, not a rehash.
 
 from __future__ import annotations
 
-from array import array
+import functools
+import struct
 from collections import OrderedDict
 from typing import Sequence
 
@@ -25,6 +26,12 @@ _SALTED = 2
 _HEADS = [bytes((h,)) for h in range(4)]
 
 
+@functools.lru_cache(maxsize=None)
+def _packer(block_size: int) -> struct.Struct:
+    """Parent hash, header byte and `block_size` 32-bit token ids, little-endian."""
+    return struct.Struct(f"<qB{block_size}I")
+
+
 def block_keys_for(token_ids: Sequence[int], block_size: int, salt: str | None,
                    keys: list[BlockKey] | None = None) -> list[BlockKey]:
     """Extend `keys` to cover every full block of `token_ids` and return it.
@@ -36,28 +43,22 @@ def block_keys_for(token_ids: Sequence[int], block_size: int, salt: str | None,
     """
     keys = [] if keys is None else keys
     start = len(keys) * block_size
-    num_full = (len(token_ids) - start) // block_size
-    if num_full <= 0:
+    num_tokens = len(token_ids)
+    if num_tokens - start < block_size:
         return keys
-    end = start + num_full * block_size
-    tail = b"" if salt is None else salt.encode()
+    salted = _SALTED if salt is not None else 0
+    tail = salt.encode() if salt is not None else None
+    pack = _packer(block_size).pack
     parent = hash(keys[-1]) if keys else NO_PARENT
-    try:
-        packed = array("I", token_ids[start:end]).tobytes()
-    except OverflowError:
-        head = _HEADS[_WIDE_TOKENS | (salt is not None and _SALTED)]
-        bodies = [repr(tuple(token_ids[b:b + block_size])).encode()
-                  for b in range(start, end, block_size)]
-    else:
-        head = _HEADS[salt is not None and _SALTED]
-        if num_full == 1:  # the common case: one block of generated tokens became full
-            key = parent.to_bytes(8, "little", signed=True) + head + packed + tail
-            keys.append(key)
-            return keys
-        width = 4 * block_size
-        bodies = [packed[i:i + width] for i in range(0, len(packed), width)]
-    for body in bodies:
-        key = parent.to_bytes(8, "little", signed=True) + head + body + tail
+    for begin in range(start, num_tokens - block_size + 1, block_size):
+        block = token_ids[begin:begin + block_size]
+        try:
+            key = pack(parent, salted, *block)
+        except struct.error:  # an id below 0 or above 32 bits
+            key = (parent.to_bytes(8, "little", signed=True) + _HEADS[_WIDE_TOKENS | salted]
+                   + repr(tuple(block)).encode())
+        if tail is not None:
+            key += tail
         keys.append(key)
         parent = hash(key)
     return keys

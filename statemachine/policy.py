@@ -85,6 +85,10 @@ class KeyedPolicy:
                 return request
         return None
 
+    def sorts_after(self, a: Request, b: Request) -> bool:
+        """Whether `a` waits behind `b` in this policy's order (keys are static)."""
+        return (self.key(a), a.arrival_seq) > (self.key(b), b.arrival_seq)
+
     def remove(self, request: Request) -> None:
         if request.queue_seq:
             request.queue_seq = 0

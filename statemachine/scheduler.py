@@ -31,6 +31,12 @@ from .stats import StatsCollector, StatsSummary
 # neither the queue nor the set of held blocks has changed.
 ADMISSION_RETRY_STEPS = 16
 RUNNING = RequestState.RUNNING
+
+
+def _never(a: Request, b: Request) -> bool:
+    return False
+
+
 PENDING = RequestState.PENDING
 E = RequestEventKind
 
@@ -69,6 +75,12 @@ class Scheduler:
         self._queue_version = 0
         self._num_arrivals = 0
         self._failed_admission: tuple[int, int, int] | None = None
+        # The last request a failed pass examined before its lookahead ran out: an
+        # arrival the policy orders after it would not be reached by the same pass.
+        self._admission_cut: Request | None = None
+        # The fewest fresh blocks any waiting request needs, as of the failed pass
+        # (and arrivals since): with fewer free beyond the watermark, nothing fits.
+        self._min_need = 0
         if config.debug_checks:
             from .invariants import check_scheduler
             self._checker = check_scheduler
@@ -126,7 +138,14 @@ class Scheduler:
         request.length_limit = min(total, config.max_model_len)
         self.requests[rid] = request
         self.policy.push(request)
-        self._queue_version += 1
+        cut = self._admission_cut
+        if self._failed_admission is not None and not getattr(self.policy, "preempts_running", True):
+            # A failed pass stands if no request fits: count this one's need in.
+            need = self.blocks.blocks_for(request.num_tokens) - len(self.blocks.find_cached_prefix(request))
+            if need < self._min_need:
+                self._min_need = need
+        elif cut is None or not getattr(self.policy, "sorts_after", _never)(request, cut):
+            self._queue_version += 1  # it may be examined by the next pass
         self.collector.num_requests_added += 1
         self.collector.saw_time(request.arrival_s)
         self._check()
@@ -229,9 +248,10 @@ class Scheduler:
         # 2. Waiting requests, in policy order, skipping those that do not fit.
         new_requests: list[NewRequestData] = []
         failed = self._failed_admission
-        if (failed is not None and failed[0] == self._queue_version
-                and failed[1] == blocks.num_releases and step_id < failed[2]):
-            pass  # same queue, no blocks given back and not yet time to look again
+        if (failed is not None and failed[0] == self._queue_version and step_id < failed[2]
+                and (failed[1] == blocks.num_releases or blocks.num_free_blocks
+                     - (self._watermark_blocks if self.running else 0) < self._min_need)):
+            pass  # the last pass's failure stands: nothing given back, or too little for anyone
         elif len(policy) and ((budget > 0 and len(scheduled) < seats)
                               or getattr(policy, "preempts_running", True)):
             budget = self._admit(budget, seats, scheduled, new_requests, preempted,
@@ -387,6 +407,8 @@ class Scheduler:
         put_back: list[Request] = []
         blocked: list[tuple[Request, int]] = []
         short_of_blocks = False
+        cut = None
+        min_need = blocks.num_blocks + 1
         num_admitted = 0
         preemptive = getattr(policy, "preempts_running", True)
         # Start from a bound on the projection (growth over the whole horizon, no
@@ -408,7 +430,9 @@ class Scheduler:
                 exact = True
                 reserve = self._admission_reserve(growth)
             if not preemptive and blocks.num_free_blocks <= reserve:
-                break  # every admission needs at least one fresh block
+                # Every admission needs at least one fresh block beyond the reserve.
+                short_of_blocks, min_need = True, min(min_need, 1)
+                break
             request = policy.pop()
             if request is None:
                 break
@@ -436,6 +460,7 @@ class Scheduler:
                 break
             if not chunking and n > budget:
                 fits = False
+                min_need = 0  # refused for its budget, not its blocks
             else:
                 if blocks.num_releases != num_releases:  # a running request made way for it
                     growth, until = self._projected_growth()
@@ -460,10 +485,15 @@ class Scheduler:
                     fits = blocks.allocate(request.request_id, hits, request.num_tokens, reserve)
             if not fits:
                 short_of_blocks = True
+                fresh = blocks.blocks_for(request.num_tokens) - len(hits)
+                if fresh < min_need:
+                    min_need = fresh
                 if request.num_skips >= skip_limit:
+                    cut = request
                     break  # it has waited long enough: hold capacity for it
                 blocked.append((request, num_admitted))
                 if len(blocked) > lookahead:
+                    cut = request
                     break
                 continue
             put_back.pop()
@@ -492,8 +522,11 @@ class Scheduler:
             # so a pass may succeed without a release: look again now and then.
             self._failed_admission = (self._queue_version, blocks.num_releases,
                                       self.step_id + ADMISSION_RETRY_STEPS)
+            self._admission_cut = cut
+            self._min_need = min_need
         else:
             self._failed_admission = None
+            self._admission_cut = None
         for request, mark in blocked:
             if num_admitted > mark:
                 request.num_skips += 1

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cadence.statemachine.blocks import BlockManager
+
+from cadence.statemachine.blocks import BlockManager, block_keys_for
 from cadence.statemachine.errors import InvalidRequestError
 from cadence.statemachine.fsm import RequestEventKind
 from cadence.statemachine.request import Request
@@ -194,3 +195,22 @@ def test_prefix_hits_never_cross_different_prefixes():
         return  # refusing negative token ids at the edge is a fix too
     hits = bm.find_cached_prefix(Request("c", [-2, 5, 7, 8, 9]))
     assert hits == bm.table("b")[:1]
+
+
+def test_block_keys_tell_apart_tokens_salts_and_prefixes():
+    """Keys are built incrementally or at once alike; they differ with any token, the
+    salt (None and "" included), the prefix before the block, and ids too wide for
+    32 bits take the spelled-out form without colliding with narrow ones."""
+    tokens = list(range(100, 112))
+    whole = block_keys_for(tokens, 4, None)
+    assert len(whole) == 3
+    partial = block_keys_for(tokens[:5], 4, None)
+    assert block_keys_for(tokens, 4, None, partial) == whole
+    assert len(set(whole)) == 3
+    assert block_keys_for(tokens, 4, "")[0] != whole[0] != block_keys_for(tokens, 4, "s")[0]
+    other_prefix = block_keys_for([1, 2, 3, 4] + tokens[4:], 4, None)
+    assert other_prefix[1] != whole[1], "the same block after another prefix"
+    wide = block_keys_for([2**40, 1, 2, 3], 4, None)
+    narrow = block_keys_for([0, 1, 2, 3], 4, None)
+    assert len(wide) == 1 and wide != narrow
+    assert block_keys_for([2**40, 1, 2, 3, 9, 9, 9, 9], 4, None)[0] == wide[0]
