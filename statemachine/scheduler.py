@@ -216,7 +216,7 @@ class Scheduler:
         for request in list(self.running):
             if budget <= 0 or (count_seats and len(scheduled) >= seats):
                 break
-            if request.fsm.state is not RUNNING:
+            if preempted and request.fsm.state is not RUNNING:
                 continue  # preempted earlier in this loop
             computed = request.num_computed_tokens
             n = len(request.all_token_ids) - computed
