@@ -133,9 +133,11 @@ class BlockManager:
     def can_allocate(self, num_new_blocks: int, cached_blocks: list[int], reserve: int = 0) -> bool:
         """Whether `num_new_blocks` fresh blocks fit beside `cached_blocks` with
         `reserve` blocks left over."""
+        available = self.num_free_blocks - reserve
+        if num_new_blocks > available:
+            return False  # cheap refusal: they do not fit even reviving no hit
         evictable = self.evictable
-        num_revived = sum(1 for b in cached_blocks if b in evictable)
-        return num_new_blocks + reserve <= self.num_free_blocks - num_revived
+        return num_new_blocks + sum(1 for b in cached_blocks if b in evictable) <= available
 
     # ---- mutations -------------------------------------------------------------
     def allocate(self, request_id: str, cached_blocks: list[int], num_tokens: int,

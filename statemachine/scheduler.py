@@ -422,13 +422,12 @@ class Scheduler:
             if not has_room and not preemptive:
                 break
             if blocks.num_releases != num_releases:  # a preemption changed who runs
-                growth, until = self._projected_growth()
-                num_releases, exact = blocks.num_releases, True
+                growth, until, reserve, num_releases = self._exact_projection()
+                exact = True
             reserve = self._admission_reserve(growth)
             if not preemptive and blocks.num_free_blocks <= reserve and not exact:
-                growth, until = self._projected_growth()
+                growth, until, reserve, num_releases = self._exact_projection()
                 exact = True
-                reserve = self._admission_reserve(growth)
             if not preemptive and blocks.num_free_blocks <= reserve:
                 # Every admission needs at least one fresh block beyond the reserve.
                 short_of_blocks, min_need = True, min(min_need, 1)
@@ -447,6 +446,7 @@ class Scheduler:
             hits = blocks.find_cached_prefix(request)
             num_cached = len(hits) * block_size
             n = request.num_tokens - num_cached
+            fresh = blocks.blocks_for(request.num_tokens) - len(hits)
             # With no seat, budget or running slot left, only a request that may
             # displace a running one goes on, only if displacing could also make
             # room for its blocks, and only once it has made room.
@@ -463,29 +463,21 @@ class Scheduler:
                 min_need = 0  # refused for its budget, not its blocks
             else:
                 if blocks.num_releases != num_releases:  # a running request made way for it
-                    growth, until = self._projected_growth()
-                    num_releases, exact = blocks.num_releases, True
-                    reserve = self._admission_reserve(growth)
-                # Cheap refusal first: even reviving no hit, the fresh blocks do not fit.
-                fresh = blocks.blocks_for(request.num_tokens) - len(hits)
-                fits = fresh + reserve <= blocks.num_free_blocks and blocks.allocate(
-                    request.request_id, hits, request.num_tokens, reserve)
-                if not fits and not exact:
-                    growth, until = self._projected_growth()
+                    growth, until, reserve, num_releases = self._exact_projection()
                     exact = True
-                    reserve = self._admission_reserve(growth)
-                    fits = fresh + reserve <= blocks.num_free_blocks and blocks.allocate(
-                        request.request_id, hits, request.num_tokens, reserve)
+                fits = blocks.allocate(request.request_id, hits, request.num_tokens, reserve)
+                if not fits and not exact:  # the bound was too tight: try the projection
+                    growth, until, reserve, num_releases = self._exact_projection()
+                    exact = True
+                    fits = blocks.allocate(request.request_id, hits, request.num_tokens, reserve)
                 while not fits and self._preempt_for(request, hits, scheduled, new_block_ids,
                                                      preempted):
                     budget = config.max_num_batched_tokens - sum(scheduled.values())
-                    growth, until = self._projected_growth()
-                    num_releases, exact = blocks.num_releases, True
-                    reserve = self._admission_reserve(growth)
+                    growth, until, reserve, num_releases = self._exact_projection()
+                    exact = True
                     fits = blocks.allocate(request.request_id, hits, request.num_tokens, reserve)
             if not fits:
                 short_of_blocks = True
-                fresh = blocks.blocks_for(request.num_tokens) - len(hits)
                 if fresh < min_need:
                     min_need = fresh
                 if request.num_skips >= skip_limit:
@@ -573,6 +565,12 @@ class Scheduler:
                 return peak, left
         need = horizon * alive * per_step - released
         return (need if need > peak else peak), horizon
+
+    def _exact_projection(self) -> tuple[float, int, int, int]:
+        """The projection of the running set now: growth, where it stops, the
+        reserve it implies, and the release count it was taken at."""
+        growth, until = self._projected_growth()
+        return growth, until, self._admission_reserve(growth), self.blocks.num_releases
 
     def _admission_reserve(self, growth: float) -> int:
         """Blocks admission leaves free so running requests can keep growing: the
