@@ -36,7 +36,8 @@ from cadence.statemachine.sampling import SamplingParams
 
 from .client import AsyncClient, open_client
 from .engine import Engine, open_engine
-from .server import DEFAULT_PORT, add_engine_arguments, engine_config_from_args
+from .engine_args import add_engine_arguments, engine_config_from_args
+from .wire import DEFAULT_PORT
 
 __all__ = [
     "BenchRequest",

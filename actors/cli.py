@@ -26,7 +26,8 @@ from cadence.statemachine.errors import CadenceError
 from cadence.statemachine.plan import StepPlan
 from cadence.statemachine.sampling import SamplingParams
 
-from . import bench, server
+from . import bench
+from .serve import server
 from .engine import EXECUTOR_KINDS, EngineConfig, open_engine
 from .simulated import ZERO_LATENCY, LatencyModel
 

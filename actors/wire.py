@@ -42,6 +42,7 @@ from .framing import HEADER_BYTES, MAX_FRAME_BYTES
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "DEFAULT_PORT",
     "DEFAULT_MAX_REQUEST_FRAME_BYTES",
     "MAX_REPLY_FRAME_BYTES",
     "MAX_TENANT_CHARS",
@@ -84,6 +85,8 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = 1
+# The msgpack port `cadence serve` listens on and clients dial unless told otherwise.
+DEFAULT_PORT = 8470
 # A request frame holds one prompt; a megabyte is far more than max_model_len tokens.
 DEFAULT_MAX_REQUEST_FRAME_BYTES = 1 << 20
 # Replies are bounded by one request's output (or a stats map); the framing limit is plenty.

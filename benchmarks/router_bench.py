@@ -33,8 +33,8 @@ from workloads import token_id  # noqa: E402
 
 from cadence.actors.client import open_client  # noqa: E402
 from cadence.actors.engine import EngineConfig  # noqa: E402
-from cadence.actors.router import RouterConfig, open_router  # noqa: E402
-from cadence.actors.server import ServerConfig, open_server  # noqa: E402
+from cadence.actors.serve.router import RouterConfig, open_router  # noqa: E402
+from cadence.actors.serve.server import ServerConfig, open_server  # noqa: E402
 from cadence.actors.simulated import ZERO_LATENCY  # noqa: E402
 
 # The simulated engine pairs with the byte tokenizer: token ids are bytes.

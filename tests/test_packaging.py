@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("cadence.statemachine", "cadence.actors", "cadence.gpu", "cadence.spec")
+PACKAGES = ("cadence.statemachine", "cadence.actors", "cadence.actors.serve", "cadence.gpu", "cadence.spec")
 EXPECTED_FILES = (
     "cadence/statemachine/scheduler.py",
     "cadence/actors/__init__.py",
@@ -22,7 +22,7 @@ EXPECTED_FILES = (
 )
 # Build outputs and caches that must not travel into the copy the wheel is built from.
 IGNORED = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", ".hypothesis",
-                                 ".pytest_cache", ".whl", "out", "tests", "benchmarks")
+                                 ".pytest_cache", ".whl", "out", "tests", "benchmarks", ".venv")
 
 
 @pytest.fixture(scope="module")
@@ -60,5 +60,5 @@ def test_wheel_ships_no_tests_or_bytecode(wheel_files):
 def test_package_imports_from_the_installed_tree(package):
     """The editable install resolves each package to this repository's folder."""
     module = importlib.import_module(package)
-    folder = package.rsplit(".", 1)[1]
+    folder = Path(*package.split(".")[1:])
     assert Path(module.__file__).resolve().parent == REPO_ROOT / folder

@@ -16,7 +16,7 @@ import trio
 from cadence.actors.client import (
     AsyncioClient, Client, ClientProtocol, open_client, parse_address,
 )
-from cadence.actors.server import ServerThread, open_server
+from cadence.actors.serve.server import ServerThread, open_server
 from cadence.actors.simulated import LatencyModel
 from cadence.actors.wire import (
     Accepted, ClientTimeoutError, ConnectionClosedError, Error, LimitExceededError, Output,

@@ -12,7 +12,7 @@ import socket
 import trio
 
 from cadence.actors.engine import EngineConfig
-from cadence.actors.server import Server, ServerConfig
+from cadence.actors.serve.server import Server, ServerConfig
 from cadence.actors.simulated import ZERO_LATENCY, LatencyModel, simulated_token
 from cadence.actors.wire import (
     MAX_REPLY_FRAME_BYTES, FrameBuffer, Hello, Welcome, decode_reply, encode, pack_frame,

@@ -21,11 +21,11 @@ import trio
 from hypothesis import given, strategies as st
 
 from cadence.actors.client import open_client
-from cadence.actors.router import (
+from cadence.actors.serve.router import (
     AdmissionQueue, PrefixAffinityPolicy, PrefixIndex, RoundRobinPolicy, RouterConfig,
     open_router, prompt_block_keys,
 )
-from cadence.actors.server import open_server
+from cadence.actors.serve.server import open_server
 from cadence.actors.wire import (
     Abort, ConnectionClosedError, Accepted, AuthenticationError, Error, Generate, Output, RemoteExecutorError,
     RemoteInvalidRequestError, RemoteQueueFullError, SamplingParams,
@@ -316,7 +316,7 @@ async def test_global_queue_admits_by_priority_then_tenant_turns_when_replicas_a
 @asynccontextmanager
 async def child_replica(*extra: str):
     """A `cadence serve` child process with a simulated engine; yields (process, address)."""
-    command = [sys.executable, "-m", "cadence.actors.server", "--port", "0", "--log-level", "error",
+    command = [sys.executable, "-m", "cadence.actors.serve.server", "--port", "0", "--log-level", "error",
                *extra]
     process = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE)
     try:

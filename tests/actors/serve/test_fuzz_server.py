@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cadence.actors.client import open_client
-from cadence.actors.server import open_server
+from cadence.actors.serve.server import open_server
 from cadence.actors.wire import (
     ErrorCode, Error, Generate, HealthQuery, HealthReply, Hello, SamplingParams, StatsQuery, encode,
     pack_frame,

@@ -25,7 +25,7 @@ from cadence.statemachine.errors import ConfigError
 from cadence.statemachine.plan import StepPlan
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..engine import Engine
 
 __all__ = ["ServerMetrics", "NullMetrics", "serve_metrics", "METRIC_NAMES"]
 

@@ -13,7 +13,7 @@ import pytest
 from cadence.actors.bench import (
     RequestTiming, add_bench_parser, format_result, load_workload, summarize,
 )
-from cadence.actors.server import ServerThread
+from cadence.actors.serve.server import ServerThread
 
 from test_server_support import engine_config, server_config
 

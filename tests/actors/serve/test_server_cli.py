@@ -15,7 +15,7 @@ from cadence.actors.client import Client
 from cadence.actors.wire import ServerShutdownError
 
 _WAIT_S = 60.0
-_SERVE = [sys.executable, "-m", "cadence.actors.server"]
+_SERVE = [sys.executable, "-m", "cadence.actors.serve.server"]
 
 
 def _start(*args: str) -> tuple[subprocess.Popen, tuple[str, int]]:

@@ -22,7 +22,7 @@ import pytest
 import trio
 
 from cadence.actors.client import open_client
-from cadence.actors.server import open_server
+from cadence.actors.serve.server import open_server
 from cadence.actors.simulated import LatencyModel
 from cadence.actors.wire import ConnectionClosedError
 

@@ -7,8 +7,8 @@ import pytest
 import trio
 
 from cadence.actors.client import open_client
-from cadence.actors.metrics import METRIC_NAMES
-from cadence.actors.server import open_server
+from cadence.actors.serve.metrics import METRIC_NAMES
+from cadence.actors.serve.server import open_server
 from cadence.actors.wire import LimitExceededError, RemoteRequestTooLongError, pack_frame
 
 from test_server_support import SLOW_STEP, RawConnection, engine_config, server_config, settled, wait_until

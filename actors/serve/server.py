@@ -42,18 +42,18 @@ from typing import AsyncIterator
 import attrs
 import trio
 
-from cadence.statemachine.config import POLICY_NAMES
 from cadence.statemachine.errors import (
     CadenceError, ConfigError, EngineClosedError, ExecutorError, InvalidRequestError,
     QueueFullError, RequestNotFoundError, RequestTooLongError,
 )
 
-from .engine import EXECUTOR_KINDS, Engine, EngineConfig, RequestStream, open_engine
-from .framing import MAX_FRAME_BYTES
+from ..engine import Engine, EngineConfig, RequestStream, open_engine
+from ..framing import MAX_FRAME_BYTES
 from .metrics import NullMetrics, ServerMetrics, serve_metrics
-from .simulated import LatencyModel
-from .trio_thread import TrioThread
-from .wire import (
+from ..trio_thread import TrioThread
+from ..engine_args import add_engine_arguments, engine_config_from_args
+from ..wire import (
+    DEFAULT_PORT,
     DEFAULT_MAX_REQUEST_FRAME_BYTES, Abort, Accepted, Error, ErrorCode, FrameBuffer,
     FrameTooLargeError, Generate, HealthQuery, HealthReply, Hello, MessageError, Output,
     StatsQuery, StatsReply, Welcome, decode_request, encode, pack_frame,
@@ -65,8 +65,6 @@ __all__ = [
     "Server",
     "open_server",
     "ServerThread",
-    "add_engine_arguments",
-    "engine_config_from_args",
     "add_serve_parser",
     "run_serve",
     "main",
@@ -74,7 +72,6 @@ __all__ = [
 
 _log = logging.getLogger("cadence.server")
 
-DEFAULT_PORT = 8470
 # The exit status of a user's mistake, as for every `cadence` command.
 USAGE_ERROR = 2
 SERVER_NAME = "cadence/0.1"
@@ -977,74 +974,6 @@ class ServerThread:
 # The `cadence serve` command.
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options that build an EngineConfig (shared by `serve` and `bench --embedded`)."""
-    group = parser.add_argument_group("engine")
-    group.add_argument("--model", default="simulated",
-                       help="'simulated' (no weights), a preset name, or a checkpoint directory "
-                            "(default: simulated)")
-    group.add_argument("--executor", choices=EXECUTOR_KINDS, default=None,
-                       help="where the model runs (default: simulated for the simulated model, "
-                            "else inprocess)")
-    group.add_argument("--dtype", default="auto", help="weights dtype (default: auto)")
-    group.add_argument("--device", default="auto", help="cpu, cuda, ... (default: auto)")
-    group.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
-    group.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step")
-    group.add_argument("--max-model-len", type=int, default=4096, help="prompt plus output tokens")
-    group.add_argument("--num-blocks", type=int, default=8192,
-                       help="KV blocks (the executor may report another figure)")
-    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    group.add_argument("--policy", default="fcfs",
-                       help=f"scheduling policy: {', '.join(POLICY_NAMES)} (default: fcfs)")
-    group.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
-    group.add_argument("--seed", type=int, default=0, help="executor seed")
-    group.add_argument("--tp", type=int, default=None,
-                       help="tensor-parallel ranks (default: 1, or WORLD_SIZE under a launcher "
-                            "such as torchrun, where rank 0 serves and the others follow it)")
-    group.add_argument("--sim-step-us", type=float, default=None,
-                       help="simulated executor: every step takes this many microseconds, whatever "
-                            "its batch (0: free; default: a latency model of a small GPU)")
-
-
-def _tokenizer_for(model: str):
-    """The tokenizer of a local model directory, or None (simulated model, presets, or a
-    checkpoint without tokenizer.json: clients then send token ids)."""
-    if not os.path.isfile(os.path.join(model, "tokenizer.json")):
-        return None
-    # Only a real checkpoint needs the tokenizer package; the simulated paths never import it.
-    from cadence.gpu.tokenizer import Tokenizer
-
-    return Tokenizer.from_pretrained(model)
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig the `add_engine_arguments` options describe."""
-    executor = args.executor or ("simulated" if args.model == "simulated" else "inprocess")
-    latency = LatencyModel()
-    if args.sim_step_us is not None:
-        if args.sim_step_us < 0:
-            raise ConfigError(f"--sim-step-us must be >= 0, got {args.sim_step_us}")
-        latency = LatencyModel(base_us=args.sim_step_us, prefill_us_per_token=0.0, decode_us_per_seq=0.0)
-    return EngineConfig.from_kwargs(
-        executor=executor, model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
-        tokenizer=_tokenizer_for(args.model) if executor != "simulated" else None,
-        latency=latency, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        num_blocks=args.num_blocks, block_size=args.block_size, policy=args.policy,
-        enable_prefix_caching=not args.no_prefix_caching,
-        executor_options=_tp_options(args))
-
-
-def _tp_options(args: argparse.Namespace) -> dict:
-    """Executor options for tensor parallelism: --tp, or the launcher's WORLD_SIZE."""
-    tp = args.tp
-    if tp is None:
-        tp = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
-    if tp < 1:
-        raise ConfigError(f"--tp must be >= 1, got {tp}")
-    return {"tp": tp} if tp > 1 else {}
-
-
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `serve` subcommand to an argparse subparsers object."""
     parser = subparsers.add_parser(
@@ -1173,7 +1102,7 @@ async def _on_signals(server: Server, signals) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m cadence.actors.server`: the `serve` command on its own."""
+    """`python -m cadence.actors.serve.server`: the `serve` command on its own."""
     parser = argparse.ArgumentParser(prog="cadence")
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(subparsers)

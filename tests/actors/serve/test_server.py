@@ -16,7 +16,7 @@ import trio
 
 from cadence.actors.client import open_client
 from cadence.actors.detokenizer import ByteTokenizer
-from cadence.actors.server import ServerConfig, open_server
+from cadence.actors.serve.server import ServerConfig, open_server
 from cadence.actors.wire import (
     Abort, Accepted, AuthenticationError, Error, ErrorCode, Generate, HealthQuery, HealthReply,
     LimitExceededError, Output, RemoteInvalidRequestError, RemoteQueueFullError,

@@ -49,9 +49,9 @@ import trio
 
 from cadence.statemachine.errors import ConfigError
 
-from .client import AsyncClient, AsyncStream, open_client, parse_address
-from .framing import MAX_FRAME_BYTES
-from .wire import (
+from ..client import AsyncClient, AsyncStream, open_client, parse_address
+from ..framing import MAX_FRAME_BYTES
+from ..wire import (
     DEFAULT_MAX_REQUEST_FRAME_BYTES, Abort, Accepted, ClientTimeoutError, ConnectionClosedError,
     Error, ErrorCode, FrameBuffer, FrameTooLargeError, Generate, HealthQuery, HealthReply, Hello,
     MessageError, Output, ServerError, StatsQuery, StatsReply, Welcome, decode_request, encode,

@@ -1,0 +1,82 @@
+"""Command-line options that describe an engine, shared by `serve`, `bench` and `generate`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from cadence.statemachine.config import POLICY_NAMES
+from cadence.statemachine.errors import ConfigError
+
+from .engine import EXECUTOR_KINDS, EngineConfig
+from .simulated import LatencyModel
+
+__all__ = ["add_engine_arguments", "engine_config_from_args"]
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options that build an EngineConfig (shared by `serve` and `bench --embedded`)."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default="simulated",
+                       help="'simulated' (no weights), a preset name, or a checkpoint directory "
+                            "(default: simulated)")
+    group.add_argument("--executor", choices=EXECUTOR_KINDS, default=None,
+                       help="where the model runs (default: simulated for the simulated model, "
+                            "else inprocess)")
+    group.add_argument("--dtype", default="auto", help="weights dtype (default: auto)")
+    group.add_argument("--device", default="auto", help="cpu, cuda, ... (default: auto)")
+    group.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
+    group.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step")
+    group.add_argument("--max-model-len", type=int, default=4096, help="prompt plus output tokens")
+    group.add_argument("--num-blocks", type=int, default=8192,
+                       help="KV blocks (the executor may report another figure)")
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    group.add_argument("--policy", default="fcfs",
+                       help=f"scheduling policy: {', '.join(POLICY_NAMES)} (default: fcfs)")
+    group.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    group.add_argument("--seed", type=int, default=0, help="executor seed")
+    group.add_argument("--tp", type=int, default=None,
+                       help="tensor-parallel ranks (default: 1, or WORLD_SIZE under a launcher "
+                            "such as torchrun, where rank 0 serves and the others follow it)")
+    group.add_argument("--sim-step-us", type=float, default=None,
+                       help="simulated executor: every step takes this many microseconds, whatever "
+                            "its batch (0: free; default: a latency model of a small GPU)")
+
+
+def _tokenizer_for(model: str):
+    """The tokenizer of a local model directory, or None (simulated model, presets, or a
+    checkpoint without tokenizer.json: clients then send token ids)."""
+    if not os.path.isfile(os.path.join(model, "tokenizer.json")):
+        return None
+    # Only a real checkpoint needs the tokenizer package; the simulated paths never import it.
+    from cadence.gpu.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(model)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the `add_engine_arguments` options describe."""
+    executor = args.executor or ("simulated" if args.model == "simulated" else "inprocess")
+    latency = LatencyModel()
+    if args.sim_step_us is not None:
+        if args.sim_step_us < 0:
+            raise ConfigError(f"--sim-step-us must be >= 0, got {args.sim_step_us}")
+        latency = LatencyModel(base_us=args.sim_step_us, prefill_us_per_token=0.0, decode_us_per_seq=0.0)
+    return EngineConfig.from_kwargs(
+        executor=executor, model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
+        tokenizer=_tokenizer_for(args.model) if executor != "simulated" else None,
+        latency=latency, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        num_blocks=args.num_blocks, block_size=args.block_size, policy=args.policy,
+        enable_prefix_caching=not args.no_prefix_caching,
+        executor_options=_tp_options(args))
+
+
+def _tp_options(args: argparse.Namespace) -> dict:
+    """Executor options for tensor parallelism: --tp, or the launcher's WORLD_SIZE."""
+    tp = args.tp
+    if tp is None:
+        tp = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
+    if tp < 1:
+        raise ConfigError(f"--tp must be >= 1, got {tp}")
+    return {"tp": tp} if tp > 1 else {}
