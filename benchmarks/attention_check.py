@@ -28,6 +28,7 @@ import triton  # noqa: E402
 
 from cadence.gpu.attention import AttentionMetadata  # noqa: E402
 from cadence.gpu import triton_attention  # noqa: E402
+from cadence.gpu.worklist import BalanceConfig, build_worklist  # noqa: E402
 
 # Qwen3-0.6B attention.
 QWEN3_06B = dict(num_q_heads=16, num_kv_heads=8, head_dim=128)
@@ -99,16 +100,25 @@ def reference(query, k_cache, v_cache, meta, scale):
     return out
 
 
+def decode_worklist(meta, num_decodes, device, balance=None):
+    """A length-balanced work list over the batch's decodes, on `device`."""
+    balance = balance or BalanceConfig()
+    lengths = meta.seq_lens[:num_decodes].tolist()
+    return build_worklist(lengths, balance.capacity(num_decodes), balance.granularity,
+                          balance.min_tile_tokens).to(device)
+
+
 def check_attention(name, specs, *, num_decodes, dtype, device, seed, num_kv_splits=None,
-                    block_size=16, **heads):
+                    block_size=16, balanced=False, **heads):
     """Compare paged_attention on fresh random inputs with float64; True when within tolerance."""
     query, k_cache, v_cache, meta = make_inputs(
         specs, block_size=block_size, dtype=dtype, device=device, num_decodes=num_decodes,
         seed=seed, **heads)
     scale = heads["head_dim"] ** -0.5
     out = torch.full_like(query, float("nan"))
+    worklist = decode_worklist(meta, num_decodes, device) if balanced else None
     triton_attention.paged_attention(query, k_cache, v_cache, meta, scale, out=out,
-                                     num_kv_splits=num_kv_splits)
+                                     num_kv_splits=num_kv_splits, worklist=worklist)
     expected = reference(query, k_cache, v_cache, meta, scale)
     unwritten = int(out.isnan().sum())
     row_error = ((out.double() - expected).abs().amax(-1) / expected.abs().amax(-1)).max()
@@ -116,7 +126,7 @@ def check_attention(name, specs, *, num_decodes, dtype, device, seed, num_kv_spl
     ok = unwritten == 0 and error < TOLERANCE[dtype]
     emit(check=name, dtype=DTYPE_NAMES[dtype], block_size=block_size, **heads,
          num_seqs=len(specs), num_decodes=num_decodes, num_kv_splits=num_kv_splits,
-         max_row_rel_error=error, tolerance=TOLERANCE[dtype], unwritten=unwritten, ok=ok)
+         balanced=balanced, max_row_rel_error=error, tolerance=TOLERANCE[dtype], unwritten=unwritten, ok=ok)
     return ok
 
 
@@ -152,6 +162,9 @@ def run_checks(device, smoke: bool) -> bool:
         results.append(check_attention("split-decodes", [(70, 1), (3, 1)], num_decodes=2,
                                        dtype=torch.float32, device=device, seed=seed + 1,
                                        num_kv_splits=2, **small))
+        results.append(check_attention("balanced-decodes", [(300, 1), (3, 1), (140, 1), (9, 4)],
+                                       num_decodes=3, dtype=torch.float32, device=device,
+                                       seed=seed + 2, balanced=True, **small))
         results.append(check_write_kv(dtype=torch.float32, device=device, seed=seed,
                                       num_tokens=10, block_size=16, num_kv_heads=2,
                                       head_dim=64))
@@ -175,6 +188,9 @@ def run_checks(device, smoke: bool) -> bool:
         results.append(check_attention("decodes-forced-split", decodes[:16] + prefills[:2],
                                        num_decodes=16, dtype=dtype, device=device,
                                        seed=seed + 4, num_kv_splits=5, **QWEN3_06B))
+        results.append(check_attention("decodes-balanced", decodes + prefills[:2],
+                                       num_decodes=64, dtype=dtype, device=device,
+                                       seed=seed + 5, balanced=True, **QWEN3_06B))
         results.append(check_write_kv(dtype=dtype, device=device, seed=seed,
                                       num_tokens=1000, block_size=16, num_kv_heads=8,
                                       head_dim=128))
@@ -205,20 +221,29 @@ def measure_graph(fn) -> float | None:
 
 def time_decode(*, batch, context, dtype, device, block_size=16, num_kv_splits=None,
                 config=triton_attention.DECODE_CONFIG, heads=QWEN3_06B, graph=False,
-                label="decode"):
-    """Time decode attention over contexts of about `context` tokens; report GB/s."""
+                label="decode", lengths=None, balance=None):
+    """Time decode attention over contexts of about `context` tokens (or of `lengths`);
+    report GB/s. `balance` (a BalanceConfig) cuts the contexts into balanced tiles."""
     gen = torch.Generator().manual_seed(0)
-    jitter = torch.randint(-context // 10, context // 10 + 1, (batch,), generator=gen)
-    specs = [(max(context + int(j), 0), 1) for j in jitter]
+    if lengths is None:
+        jitter = torch.randint(-context // 10, context // 10 + 1, (batch,), generator=gen)
+        lengths = [max(context + int(j), 0) for j in jitter]
+    specs = [(length, 1) for length in lengths]
     query, k_cache, v_cache, meta = make_inputs(
         specs, block_size=block_size, dtype=dtype, device=device, num_decodes=batch, seed=0,
         **heads)
     out = torch.empty_like(query)
     scale = heads["head_dim"] ** -0.5
+    worklist, build_us = None, None
+    if balance is not None:
+        started = time.perf_counter()
+        worklist = decode_worklist(meta, batch, device, balance)
+        build_us = (time.perf_counter() - started) * 1e6
 
     def step():
         triton_attention.paged_attention(query, k_cache, v_cache, meta, scale, out=out,
-                                         num_kv_splits=num_kv_splits, decode_config=config)
+                                         num_kv_splits=num_kv_splits, decode_config=config,
+                                         worklist=worklist)
 
     ms = measure(step, device)
     elt = query.element_size()
@@ -228,6 +253,8 @@ def time_decode(*, batch, context, dtype, device, block_size=16, num_kv_splits=N
     record = dict(bench=label, dtype=DTYPE_NAMES[dtype], batch=batch, mean_context=num_tokens / batch,
                   block_size=block_size, **heads, num_kv_splits=num_kv_splits,
                   config=_config_dict(config), median_ms=ms,
+                  balanced=balance is not None, worklist_build_us=build_us,
+                  num_tiles=worklist.num_tiles if worklist is not None else None,
                   gb_moved=(kv_bytes + io_bytes) / 1e9,
                   gb_per_s=(kv_bytes + io_bytes) / (ms * 1e-3) / 1e9)
     if graph and device.type == "cuda":
@@ -332,11 +359,22 @@ def main() -> int:
     if args.smoke:
         time_decode(batch=4, context=40, dtype=torch.float32, device=device,
                     heads=dict(num_q_heads=4, num_kv_heads=2, head_dim=64))
+        time_decode(batch=4, context=0, lengths=[10, 300, 40, 150], dtype=torch.float32,
+                    device=device, heads=dict(num_q_heads=4, num_kv_heads=2, head_dim=64),
+                    balance=BalanceConfig(), label="decode-mixed-balanced")
         time_write_kv(num_tokens=8, dtype=torch.float32, device=device,
                       heads=dict(num_kv_heads=2, head_dim=64))
     else:
         time_copy(device)
         time_decode(batch=256, context=1000, dtype=torch.bfloat16, device=device, graph=True)
+        # The nano workload's decode mix: contexts spread over [100, 1024] plus outputs.
+        mixed = torch.randint(100, 1280, (256,), generator=torch.Generator().manual_seed(1)).tolist()
+        time_decode(batch=256, context=0, lengths=mixed, dtype=torch.bfloat16, device=device,
+                    graph=True, num_kv_splits=1, label="decode-mixed-unsplit")
+        for tiles_per_seq in (2, 4):
+            time_decode(batch=256, context=0, lengths=mixed, dtype=torch.bfloat16, device=device,
+                        graph=True, balance=BalanceConfig(tiles_per_seq=tiles_per_seq),
+                        label=f"decode-mixed-balanced-x{tiles_per_seq}")
         time_decode(batch=64, context=4000, dtype=torch.bfloat16, device=device)
         time_decode(batch=4, context=16000, dtype=torch.bfloat16, device=device)
         time_decode(batch=4, context=16000, dtype=torch.bfloat16, device=device,

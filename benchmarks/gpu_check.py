@@ -9,6 +9,9 @@ close to the time budget is skipped and says so):
   cadence   the nano workload through the scheduling core and the runner, qwen3-0.6b
             shapes with Cadence's own random bf16 weights: CUDA graphs on, then off;
             tokens/s, GPU busy and idle time, graph-on and graph-off outputs compared
+  fused, balanced, fused_balanced
+            the workload again with fused RMSNorm/SwiGLU kernels, length-balanced decode
+            attention, and both: tokens/s against the plain run, greedy tokens compared
   greedy    the same weights saved as a Hugging Face checkpoint: Cadence float32
             (graphs on and off) against transformers float32, and Cadence bf16
             against transformers float32, greedy, first requests x first tokens
@@ -296,7 +299,8 @@ def _cadence_options(s: Settings) -> dict:
 
 
 def _make_runner(s: Settings, *, dtype: str, weights: Path | None = None, num_blocks: int | None = None,
-                 max_num_seqs: int | None = None, fused_elementwise: bool = False) -> ModelRunner:
+                 max_num_seqs: int | None = None, fused_elementwise: bool = False,
+                 balanced_decode_attention: bool = False) -> ModelRunner:
     if s.tp > 1:
         # Ranks 1..tp-1 are spawned on this machine; decode graphs are not used with tp > 1.
         from cadence.gpu import parallel
@@ -311,7 +315,7 @@ def _make_runner(s: Settings, *, dtype: str, weights: Path | None = None, num_bl
         num_blocks=num_blocks, block_size=16, device=s.device, dtype=dtype, attention_backend=s.attention_backend,
         max_num_seqs=max_num_seqs or s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
         max_model_len=s.max_model_len, gpu_memory_utilization=s.gpu_memory_utilization, **graphs,
-        fused_elementwise=fused_elementwise,
+        fused_elementwise=fused_elementwise, balanced_decode_attention=balanced_decode_attention,
     )
     if weights is None:
         return ModelRunner(preset(s.preset), seed=0, **options)
@@ -381,24 +385,33 @@ def stage_cadence(record: dict, s: Settings, report: Report, workload, slice_wor
     free_memory(s.device)
 
 
-def stage_fused(record: dict, s: Settings, workload, shared: dict) -> None:
-    """The workload again with RMSNorm and SwiGLU as single Triton kernels (graphs on):
-    throughput against the unfused run, and greedy tokens against it."""
+def stage_variant(record: dict, s: Settings, workload, shared: dict, **options) -> None:
+    """The workload again with runner `options` (graphs on): throughput against the plain
+    run of the cadence stage, and greedy tokens against it."""
     if s.device != "cuda" or s.tp > 1:
         record["detail"] = "not run: needs one CUDA device (the CPU interpreter is far too slow)"
         return
-    runner = _make_runner(s, dtype=s.dtype, fused_elementwise=True)
-    fused = _timed_run(runner, workload, s)
-    record["fused"] = fused["record"]
-    unfused_rate = shared.get("cadence_tokens_per_s")
-    if unfused_rate:
-        record["fused_over_unfused"] = fused["record"]["tokens_per_s"] / unfused_rate
+    record["options"] = options
+    runner = _make_runner(s, dtype=s.dtype, **options)
+    variant = _timed_run(runner, workload, s)
+    record["variant"] = variant["record"]
+    plain_rate = shared.get("cadence_tokens_per_s")
+    if plain_rate:
+        record["variant_over_plain"] = variant["record"]["tokens_per_s"] / plain_rate
     reference = shared.get("cadence_run_outputs") or {}
-    record["fused_vs_unfused_outputs"] = throughput.compare_tokens(
-        {rid: fused["outputs"][rid][: s.greedy_tokens] for rid in reference}, reference)
-    print(json.dumps({"cadence_fused": fused["record"]}), flush=True)
+    record["variant_vs_plain_outputs"] = throughput.compare_tokens(
+        {rid: variant["outputs"][rid][: s.greedy_tokens] for rid in reference}, reference)
+    print(json.dumps({"cadence_variant": options, **variant["record"]}), flush=True)
     del runner
     free_memory(s.device)
+
+
+# Runner options measured against the plain graphs-on run, each a stage of its own.
+VARIANTS = {
+    "fused": dict(fused_elementwise=True),
+    "balanced": dict(balanced_decode_attention=True),
+    "fused_balanced": dict(fused_elementwise=True, balanced_decode_attention=True),
+}
 
 
 def stage_greedy(record: dict, s: Settings, workload, shared: dict) -> None:
@@ -458,8 +471,9 @@ def stage_hf(record: dict, s: Settings, report: Report, slice_workload, shared: 
 
 
 def stage_pytest(record: dict, s: Settings, report: Report) -> None:
-    """The graph tests of the suite (their GPU half runs only on a GPU)."""
-    command = [sys.executable, "-m", "pytest", "tests/gpu/test_cuda_graphs.py", "-q", "-x", "-p", "no:cacheprovider"]
+    """The graph and balanced-decode tests of the suite (their GPU half runs only on a GPU)."""
+    command = [sys.executable, "-m", "pytest", "tests/gpu/test_cuda_graphs.py",
+               "tests/gpu/test_balanced_decode.py", "-q", "-x", "-p", "no:cacheprovider"]
     timeout = max(10.0, report.remaining_s() - 10)
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
@@ -501,13 +515,13 @@ def summary_rows(data: dict) -> list[tuple[str, str, str]]:
                     if "gpu_idle_s" in off:
                         text += f" (idle {off['gpu_idle_s']:.2f} s)"
                 return text
-            if name == "fused":
-                if "fused" not in r:
+            if name in VARIANTS:
+                if "variant" not in r:
                     return r.get("detail", "")
-                same = r["fused_vs_unfused_outputs"]
-                text = f"fused {r['fused']['tokens_per_s']:.0f} tok/s"
-                if "fused_over_unfused" in r:
-                    text += f" (x{r['fused_over_unfused']:.2f} of unfused)"
+                same = r["variant_vs_plain_outputs"]
+                text = f"{r['variant']['tokens_per_s']:.0f} tok/s"
+                if "variant_over_plain" in r:
+                    text += f" (x{r['variant_over_plain']:.2f} of plain)"
                 return text + f"; greedy {same['num_identical']}/{same['num_compared']} identical"
             if name == "greedy":
                 parts = []
@@ -579,7 +593,8 @@ def main(argv=None) -> int:
         ("ceilings", stage_ceilings, 150, dict(s=s, workload=workload)),
         ("cadence", stage_cadence, 120, dict(s=s, report=report, workload=workload,
                                              slice_workload=slice_workload, shared=shared)),
-        ("fused", stage_fused, 60, dict(s=s, workload=workload, shared=shared)),
+        *((name, stage_variant, 60, dict(s=s, workload=workload, shared=shared, **options))
+          for name, options in VARIANTS.items()),
         ("greedy", stage_greedy, 60, dict(s=s, workload=workload, shared=shared)),
         ("hf", stage_hf, 45, dict(s=s, report=report, slice_workload=slice_workload, shared=shared)),
         ("pytest", stage_pytest, 60, dict(s=s, report=report)),

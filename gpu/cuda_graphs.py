@@ -27,6 +27,7 @@ import attrs
 import torch
 
 from .attention import AttentionBackend, AttentionMetadata
+from .worklist import BalanceConfig, DecodeWorklist, build_worklist
 
 # Alignment of each field in a staging buffer: enough for any dtype view and
 # for full-width device loads.
@@ -179,6 +180,10 @@ class DecodeGraphs:
     scratch_block: a cache block outside the scheduler's range, written by padding rows.
     capture: record a CUDA graph per batch size (needs CUDA and the Triton backend);
       when False the padded batches run eagerly through the model's own backend.
+    balance: cut decode contexts into length-balanced tiles (`cadence.gpu.worklist`):
+      the work list is built on the host in `prepare` and read by the Triton kernel
+      from static buffers, so graphs replay it; eagerly, it applies where the model's
+      backend is Triton (the CPU interpreter's twin of the graph path).
     """
 
     def __init__(
@@ -192,6 +197,7 @@ class DecodeGraphs:
         scratch_block: int,
         device: torch.device | str,
         capture: bool,
+        balance: BalanceConfig | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = list(kv_caches)
@@ -203,10 +209,16 @@ class DecodeGraphs:
         self.block_size = block_size
         self.scratch_block = scratch_block
         self.device = torch.device(device)
-        names = ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc", "block_tables")
+        self.balance = balance
+        capacity = balance.capacity(size) if balance is not None else 1
+        # Block tables come last: `prepare` copies the buffer up to the rows in use.
+        names = ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc",
+                 "tile_seq", "tile_begin", "tile_end", "seq_tile_start", "block_tables")
         slots, num_bytes = plan_layout([
             (torch.int64, (size,)), (torch.int64, (size,)), (torch.int64, (size,)),
-            (torch.int32, (size,)), (torch.int32, (size + 1,)), (torch.int32, (size, max_blocks_per_seq)),
+            (torch.int32, (size,)), (torch.int32, (size + 1,)),
+            (torch.int32, (capacity,)), (torch.int32, (capacity,)), (torch.int32, (capacity,)),
+            (torch.int32, (size + 1,)), (torch.int32, (size, max_blocks_per_seq)),
         ])
         self._slots = dict(zip(names, slots))
         self.staging = StagingBuffer(num_bytes, self.device)
@@ -251,6 +263,10 @@ class DecodeGraphs:
         host["seq_lens"][:n] = inputs.seq_lens
         host["block_tables"][:n, :width] = inputs.block_tables
         self._fill_padding(n, padded)
+        if self.balance is not None:
+            build_worklist(host["seq_lens"][:padded].tolist(), self.balance.capacity(padded),
+                           self.balance.granularity, self.balance.min_tile_tokens,
+                           out=self._worklist(host, padded))
         # Block tables come last, so the rows in use end the copied range; the
         # columns past `width` keep stale ids that no context length reaches.
         slot = self._slots["block_tables"]
@@ -267,8 +283,6 @@ class DecodeGraphs:
 
     def capture(self) -> None:
         """Record one graph per batch size, largest first so smaller ones reuse its memory pool."""
-        from . import triton_attention
-
         config = self.model.config
         attention_out = torch.empty(
             self.max_batch_size, config.num_heads, config.head_dim,
@@ -278,9 +292,13 @@ class DecodeGraphs:
         for size in reversed(self.batch_sizes):
             # One static output buffer, and no context split: the split count
             # would depend on the step's longest context, which a graph cannot.
-            attend = functools.partial(triton_attention.paged_attention, out=attention_out[:size], num_kv_splits=1)
-            backend = AttentionBackend("triton-decode-graph", attend, triton_attention.write_kv)
-            previous = self.model.set_attention_backend(backend)
+            if self.balance is not None:
+                # Warm-up and capture run on the padding rows: give them a valid list.
+                self.staging.wait_for_copy()
+                build_worklist([1] * size, self.balance.capacity(size), self.balance.granularity,
+                               self.balance.min_tile_tokens, out=self._worklist(self._host, size))
+                self.staging.upload(self.staging.num_bytes)
+            previous = self.model.set_attention_backend(self._graph_backend(attention_out[:size], size))
             try:
                 self._forward(size, self.context_capacity)  # compiles kernels, settles library choices
                 torch.cuda.synchronize(self.device)
@@ -293,7 +311,36 @@ class DecodeGraphs:
             self._logits[size] = logits
         torch.cuda.synchronize(self.device)
 
+    def _graph_backend(self, out: torch.Tensor | None, size: int) -> AttentionBackend:
+        """Triton attention reading the static buffers: one output buffer and, without a
+        work list, no context split (its count would depend on the step's longest
+        context, which a graph cannot)."""
+        from . import triton_attention
+
+        worklist = self._worklist(self._static, size) if self.balance is not None else None
+        attend = functools.partial(triton_attention.paged_attention, out=out, num_kv_splits=1,
+                                   worklist=worklist)
+        return AttentionBackend("triton-decode-graph", attend, triton_attention.write_kv)
+
+    def _worklist(self, views: dict[str, torch.Tensor], size: int) -> DecodeWorklist:
+        """The work-list buffers of a padded batch of `size` rows, as host or device views."""
+        capacity = self.balance.capacity(size)
+        return DecodeWorklist(
+            tile_seq=views["tile_seq"][:capacity], tile_begin=views["tile_begin"][:capacity],
+            tile_end=views["tile_end"][:capacity], seq_tile_start=views["seq_tile_start"][:size + 1],
+            tile_tokens=0, num_tiles=0)
+
     def _forward(self, size: int, max_seq_len: int) -> torch.Tensor:
+        own_backend = self.model.model.layers[0].self_attn.backend
+        if self.balance is not None and not self._graphs and own_backend.name == "triton":
+            previous = self.model.set_attention_backend(self._graph_backend(None, size))
+            try:
+                return self._forward_with_backend(size, max_seq_len)
+            finally:
+                self.model.set_attention_backend(previous)
+        return self._forward_with_backend(size, max_seq_len)
+
+    def _forward_with_backend(self, size: int, max_seq_len: int) -> torch.Tensor:
         static = self._static
         meta = AttentionMetadata(
             slot_mapping=static["slot_mapping"][:size],

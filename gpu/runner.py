@@ -33,6 +33,7 @@ from cadence.statemachine.sampling import SamplingParams
 from .attention import AttentionMetadata, get_attention_backend
 from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs, DecodeInputs, StagingBuffer, graph_batch_sizes
+from .worklist import BalanceConfig
 from .loader import load_weights
 from .model import build_model, init_random_weights
 from .sampler import Sampler
@@ -199,6 +200,10 @@ class ModelRunner:
     fused_elementwise: RMSNorm (with the residual add after attention) and SwiGLU
       as single Triton kernels (`cadence.gpu.triton_fused`); CUDA, or Triton's CPU
       interpreter in tests. Off by default until measured on a GPU.
+    balanced_decode_attention: on the padded decode path (graphs, or its eager twin),
+      cut decode contexts into length-balanced tiles (`cadence.gpu.worklist`) instead
+      of one program per sequence; True for the default `BalanceConfig`. Needs the
+      "triton" backend. Off by default until measured on a GPU.
     """
 
     def __init__(
@@ -218,6 +223,7 @@ class ModelRunner:
         use_cuda_graphs: bool | None = None,
         pad_decode_batches: bool = False,
         fused_elementwise: bool = False,
+        balanced_decode_attention: bool | BalanceConfig = False,
     ) -> None:
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}")
@@ -273,7 +279,17 @@ class ModelRunner:
                     self.model, self.kv_caches, batch_sizes=graph_batch_sizes(max_num_seqs),
                     max_blocks_per_seq=self._max_blocks_per_seq, block_size=block_size,
                     scratch_block=self.scratch_block, device=self.device, capture=self.use_cuda_graphs,
+                    balance=self._balance_config(balanced_decode_attention, attention_backend),
                 )
+
+    @staticmethod
+    def _balance_config(requested: bool | BalanceConfig, attention_backend: str) -> BalanceConfig | None:
+        if requested is False:
+            return None
+        if attention_backend != "triton":
+            raise ConfigError(f"balanced_decode_attention needs attention_backend 'triton', "
+                              f"got {attention_backend!r}")
+        return BalanceConfig() if requested is True else requested
 
     def _resolve_cuda_graphs(self, requested: bool | None, attention_backend: str) -> bool:
         usable = self.device.type == "cuda" and attention_backend == "triton"

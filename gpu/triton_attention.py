@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from cadence.gpu.attention import AttentionMetadata
+from cadence.gpu.worklist import DecodeWorklist
 
 LOG2_E = 1.4426950408889634
 # The smallest tile the matrix instructions (and tl.dot) accept along any side.
@@ -38,6 +39,8 @@ MIN_TOKENS_PER_SPLIT = 256
 MAX_KV_SPLITS = 16
 # Decode programs per multiprocessor below which a long context is split.
 SPLIT_TARGET_WAVES = 2
+# Work-list tiles one merge step reads at once (the merge loops over more).
+MERGE_TILES_PAD = 16
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -107,6 +110,7 @@ def _write_kv_kernel(
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    tile_seq_ptr, tile_begin_ptr, tile_end_ptr,
     seq_offset, scale_log2, tokens_per_split,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_kc_b, stride_kc_s, stride_kc_h, stride_vc_b, stride_vc_s, stride_vc_h,
@@ -115,18 +119,26 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, WORKLIST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    # Axis 0 is the query tile, or the context split when SPLIT (decodes: one tile).
-    seq_local = tl.program_id(1)
-    seq = seq_local + seq_offset
+    # Axis 0 is the query tile; or, for decodes (one query tile), the context split
+    # when SPLIT, or the work-list entry when WORKLIST (axis 1 is then unused).
     kv_head = tl.program_id(2)
-    if SPLIT:
-        tile = 0
-        split = tl.program_id(0)
+    tile = 0
+    split = 0
+    if WORKLIST:
+        part_row = tl.program_id(0)
+        seq_local = tl.load(tile_seq_ptr + part_row)
+        if seq_local < 0:
+            return
     else:
-        tile = tl.program_id(0)
-        split = 0
+        seq_local = tl.program_id(1)
+        part_row = seq_local
+        if SPLIT:
+            split = tl.program_id(0)
+        else:
+            tile = tl.program_id(0)
+    seq = seq_local + seq_offset
 
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -160,6 +172,9 @@ def _paged_attention_kernel(
     if SPLIT:
         kv_begin = split * tokens_per_split
         kv_end = tl.minimum(kv_end, kv_begin + tokens_per_split)
+    if WORKLIST:
+        kv_begin = tl.load(tile_begin_ptr + part_row)
+        kv_end = tl.minimum(kv_end, tl.load(tile_end_ptr + part_row))
 
     k_base = k_cache_ptr + kv_head * stride_kc_h
     v_base = v_cache_ptr + kv_head * stride_vc_h
@@ -197,14 +212,14 @@ def _paged_attention_kernel(
 
     has_context = l_i > 0.0
     acc = acc / tl.where(has_context, l_i, 1.0)[:, None]
-    if SPLIT:
+    if SPLIT or WORKLIST:
         # Decode rows only: the query token is the sequence's single one.
         lse = tl.where(has_context, m_i + tl.log2(tl.where(has_context, l_i, 1.0)),
                        float("-inf"))
-        part = (part_out_ptr + seq_local.to(tl.int64) * stride_po_s
+        part = (part_out_ptr + part_row.to(tl.int64) * stride_po_s
                 + row_head[:, None] * stride_po_h + split * stride_po_k + offs_d[None, :])
         tl.store(part, acc, mask=row_mask)
-        tl.store(part_lse_ptr + seq_local.to(tl.int64) * stride_pl_s + row_head * stride_pl_h
+        tl.store(part_lse_ptr + part_row.to(tl.int64) * stride_pl_s + row_head * stride_pl_h
                  + split, lse, mask=row_valid)
     else:
         dst = out_ptr + row_token[:, None] * stride_o_t + row_head[:, None] * stride_o_h
@@ -236,6 +251,44 @@ def _merge_splits_kernel(
     part = tl.load(part_out_ptr + seq * stride_po_s + head * stride_po_h
                    + offs_k[:, None] * stride_po_k + offs_d[None, :], mask=mask, other=0.0)
     merged = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
+    token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    tl.store(out_ptr + token * stride_o_t + head * stride_o_h + offs_d,
+             merged.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit
+def _merge_tiles_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr, seq_tile_start_ptr,
+    stride_po_t, stride_po_h, stride_pl_t, stride_pl_h, stride_o_t, stride_o_h,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TILES_PAD: tl.constexpr,
+):
+    # One program merges one head of one decode sequence over its work-list tiles,
+    # TILES_PAD at a time, rescaling the running sum by the running maximum.
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    first = tl.load(seq_tile_start_ptr + seq)
+    last = tl.load(seq_tile_start_ptr + seq + 1)
+    offs_k = tl.arange(0, TILES_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    m_run = tl.full([1], -1.0e30, dtype=tl.float32)
+    w_run = tl.zeros([1], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for start in range(first, last, TILES_PAD):
+        rows = start + offs_k
+        k_valid = rows < last
+        lse = tl.load(part_lse_ptr + rows.to(tl.int64) * stride_pl_t + head * stride_pl_h,
+                      mask=k_valid, other=float("-inf"))
+        m_new = tl.maximum(m_run, tl.max(lse, 0))
+        scale = tl.exp2(m_run - m_new)
+        weight = tl.exp2(lse - m_new)
+        part = tl.load(part_out_ptr + rows.to(tl.int64)[:, None] * stride_po_t
+                       + head * stride_po_h + offs_d[None, :],
+                       mask=k_valid[:, None] & d_mask[None, :], other=0.0)
+        acc = acc * scale + tl.sum(part * weight[:, None], 0)
+        w_run = w_run * scale + tl.sum(weight, 0)
+        m_run = m_new
+    merged = acc / w_run
     token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     tl.store(out_ptr + token * stride_o_t + head * stride_o_h + offs_d,
              merged.to(out_ptr.dtype.element_ty), mask=d_mask)
@@ -293,6 +346,7 @@ def paged_attention(
     *,
     out: torch.Tensor | None = None,
     num_kv_splits: int | None = None,
+    worklist: DecodeWorklist | None = None,
     decode_config: KernelConfig = DECODE_CONFIG,
     prefill_config: KernelConfig = PREFILL_CONFIG,
 ) -> torch.Tensor:
@@ -304,7 +358,9 @@ def paged_attention(
     when given (a static buffer for graph capture). The first
     `meta.num_decode_seqs` sequences must have one query token each; `meta.max_seq_len`
     and `meta.max_query_len` must bound `seq_lens` and the query lengths. Decodes split
-    long contexts into `num_kv_splits` parts (chosen from the batch shape when None).
+    long contexts into `num_kv_splits` parts (chosen from the batch shape when None), or,
+    given a `worklist` (`cadence.gpu.worklist`, on the query's device, built from the
+    decodes' `seq_lens`), into its length-balanced tiles.
     """
     _check_attention_inputs(query, k_cache, v_cache, meta)
     num_tokens, num_q_heads, head_dim = query.shape
@@ -321,10 +377,14 @@ def paged_attention(
         return out
     launch = _Launch(query, k_cache, v_cache, out, meta, scale * LOG2_E)
     if num_decodes > 0:
-        if num_kv_splits is None:
-            num_kv_splits = _choose_num_splits(num_decodes * num_kv_heads, meta.max_seq_len,
-                                               query.device)
-        launch.decodes(num_decodes, num_kv_splits, decode_config)
+        if worklist is not None:
+            _check_worklist(worklist, num_decodes, query.device)
+            launch.balanced_decodes(num_decodes, worklist, decode_config)
+        else:
+            if num_kv_splits is None:
+                num_kv_splits = _choose_num_splits(num_decodes * num_kv_heads, meta.max_seq_len,
+                                                   query.device)
+            launch.decodes(num_decodes, num_kv_splits, decode_config)
     if num_seqs > num_decodes:
         launch.prefills(num_decodes, num_seqs - num_decodes, prefill_config)
     return out
@@ -380,17 +440,49 @@ class _Launch:
             SPLITS_PAD=triton.next_power_of_2(num_splits),
         )
 
+    def balanced_decodes(self, num_seqs: int, worklist: DecodeWorklist,
+                         config: KernelConfig) -> None:
+        """Launch the first num_seqs sequences (one query token each) over the work list's
+        tiles, one program per entry and KV head, then merge each sequence's tiles."""
+        block_m = _rows_per_tile(config.block_m, self.group)
+        _, num_q_heads, head_dim = self.query.shape
+        capacity = worklist.capacity
+        part_out = torch.empty((capacity, num_q_heads, head_dim), dtype=torch.float32,
+                               device=self.query.device)
+        part_lse = torch.empty((capacity, num_q_heads), dtype=torch.float32,
+                               device=self.query.device)
+        self._attend((capacity, 1, self.k_cache.shape[2]), 0, block_m, config, split=False,
+                     tokens_per_split=0, part_out=part_out, part_lse=part_lse,
+                     worklist=worklist)
+        _merge_tiles_kernel[(num_seqs, num_q_heads)](
+            part_out, part_lse, self.out, self.meta.query_start_loc, worklist.seq_tile_start,
+            part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1),
+            self.out.stride(0), self.out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+            TILES_PAD=MERGE_TILES_PAD,
+        )
+
     def _attend(self, grid, seq_offset, block_m, config, *, split, tokens_per_split,
-                part_out, part_lse):
+                part_out, part_lse, worklist: DecodeWorklist | None = None):
         query, k_cache, v_cache, out, meta = (self.query, self.k_cache, self.v_cache,
                                               self.out, self.meta)
         head_dim = query.shape[2]
-        part_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2),
-                        part_lse.stride(0), part_lse.stride(1)) if split else (0,) * 5
+        if split:
+            part_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2),
+                            part_lse.stride(0), part_lse.stride(1))
+        elif worklist is not None:
+            part_strides = (part_out.stride(0), part_out.stride(1), 0,
+                            part_lse.stride(0), part_lse.stride(1))
+        else:
+            part_strides = (0,) * 5
+        # Without a work list the kernel never reads these pointers.
+        tiles = ((worklist.tile_seq, worklist.tile_begin, worklist.tile_end)
+                 if worklist is not None else (meta.seq_lens,) * 3)
         precision = "ieee" if query.dtype == torch.float32 else "tf32"
         _paged_attention_kernel[grid](
             query, k_cache, v_cache, out, part_out, part_lse,
             meta.query_start_loc, meta.seq_lens, meta.block_tables,
+            *tiles,
             seq_offset, self.scale_log2, tokens_per_split,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -401,7 +493,7 @@ class _Launch:
             GROUP_PAD=triton.next_power_of_2(self.group),
             HEAD_DIM=head_dim, BLOCK_D=max(triton.next_power_of_2(head_dim), MIN_DOT_TILE),
             BLOCK_M=block_m, BLOCK_N=config.block_n,
-            SPLIT=split, DOT_PRECISION=precision,
+            SPLIT=split, WORKLIST=worklist is not None, DOT_PRECISION=precision,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
 
@@ -476,6 +568,17 @@ def _check_attention_inputs(query, k_cache, v_cache, meta: AttentionMetadata) ->
     if not 0 <= meta.num_decode_seqs <= num_seqs:
         raise ValueError(f"meta.num_decode_seqs is {meta.num_decode_seqs}, outside "
                          f"[0, {num_seqs}]")
+
+
+def _check_worklist(worklist: DecodeWorklist, num_decodes: int, device: torch.device) -> None:
+    if worklist.seq_tile_start.shape[0] < num_decodes + 1:
+        raise ValueError(f"the work list covers {worklist.seq_tile_start.shape[0] - 1} "
+                         f"sequences, the batch has {num_decodes} decodes")
+    for name in ("tile_seq", "tile_begin", "tile_end", "seq_tile_start"):
+        tensor = getattr(worklist, name)
+        if tensor.dtype != torch.int32:
+            raise ValueError(f"worklist.{name} must be int32, got {tensor.dtype}")
+        _check_device(f"worklist.{name}", tensor, device)
 
 
 def _check_last_dim_contiguous(name: str, tensor: torch.Tensor) -> None:

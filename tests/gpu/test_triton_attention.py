@@ -25,6 +25,7 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 
 from cadence.gpu import attention  # noqa: E402
 from cadence.gpu import triton_attention  # noqa: E402
+from cadence.gpu.worklist import build_worklist  # noqa: E402
 
 if not HAS_CUDA and not type(triton_attention._paged_attention_kernel).__name__.startswith(
         "Interpreted"):
@@ -172,6 +173,50 @@ def test_split_decodes_merge_to_the_reference(num_kv_splits):
     batch = make_batch([0, 3, 40, 130], [(10, 6)], block_size=16, head_dim=64,
                        num_kv_heads=2, group=2)
     check_batch(batch, num_kv_splits=num_kv_splits)
+
+
+def balanced(batch: Batch, capacity: int, granularity: int = 16, min_tile_tokens: int = 16,
+             spare_seqs: int = 0):
+    """A work list over the batch's decodes; `spare_seqs` widens it as a graph's would."""
+    decode_lens = batch.meta.seq_lens[:batch.meta.num_decode_seqs].cpu().tolist()
+    worklist = build_worklist(decode_lens, capacity, granularity, min_tile_tokens)
+    if spare_seqs:
+        wide = torch.full((len(decode_lens) + 1 + spare_seqs,), worklist.num_tiles,
+                          dtype=torch.int32)
+        wide[:len(decode_lens) + 1] = worklist.seq_tile_start
+        worklist = attrs.evolve(worklist, seq_tile_start=wide)
+    return worklist.to(DEVICE)
+
+
+@pytest.mark.parametrize("capacity", [4, 7, 12, 40])
+def test_balanced_decodes_merge_to_the_reference(capacity):
+    """Mixed context lengths cut into equal tiles (long ones into many, short ones into
+    one), unused list entries past the tiles, and prefills after the decodes."""
+    batch = make_batch([0, 3, 40, 130, 300], [(10, 6)], block_size=16, head_dim=64,
+                       num_kv_heads=2, group=2)
+    if capacity < batch.meta.num_decode_seqs:
+        capacity = batch.meta.num_decode_seqs
+    check_batch(batch, worklist=balanced(batch, capacity))
+
+
+def test_balanced_decodes_with_many_tiles_per_sequence_and_gqa():
+    """More tiles for one sequence than the merge reads at once, grouped query heads."""
+    batch = make_batch([600, 5], [], block_size=16, head_dim=64, num_kv_heads=2, group=8)
+    worklist = balanced(batch, capacity=triton_attention.MERGE_TILES_PAD + 10)
+    assert worklist.max_tiles_per_seq > triton_attention.MERGE_TILES_PAD
+    check_batch(batch, worklist=worklist)
+
+
+def test_balanced_decodes_accept_a_wider_list_than_the_batch():
+    batch = make_batch([20, 70], [], block_size=16, head_dim=64, num_kv_heads=1, group=2)
+    check_batch(batch, worklist=balanced(batch, capacity=9, spare_seqs=3))
+
+
+def test_a_work_list_shorter_than_the_batch_is_refused():
+    batch = make_batch([20, 70, 9], [], block_size=16, head_dim=64, num_kv_heads=1, group=2)
+    worklist = build_worklist([20, 70], 4, 16).to(DEVICE)
+    with pytest.raises(ValueError, match="covers 2 sequences, the batch has 3 decodes"):
+        run_attention(batch, worklist=worklist)
 
 
 @pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 32), (128, 128)])
