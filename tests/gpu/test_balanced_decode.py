@@ -4,30 +4,20 @@ as the reference backend, with contexts cut into several tiles each."""
 
 from __future__ import annotations
 
-import importlib
-import os
-
+import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from cadence.gpu import ModelRunner, preset
+from cadence.gpu.worklist import BalanceConfig
+from cadence.statemachine.errors import ConfigError
+from cadence.statemachine.sampling import SamplingParams
 
-import pytest  # noqa: E402
+import triton_modules
+from conftest import random_prompts
+from triton_modules import DEVICE, HAS_CUDA
 
-from cadence.gpu import ModelRunner, preset  # noqa: E402
-from cadence.gpu import triton_attention  # noqa: E402
-from cadence.gpu.worklist import BalanceConfig  # noqa: E402
-from cadence.statemachine.errors import ConfigError  # noqa: E402
-from cadence.statemachine.sampling import SamplingParams  # noqa: E402
-
-from conftest import random_prompts  # noqa: E402
-
-if not HAS_CUDA and not type(triton_attention._paged_attention_kernel).__name__.startswith(
-        "Interpreted"):
-    triton_attention = importlib.reload(triton_attention)
-
-DEVICE = "cuda" if HAS_CUDA else "cpu"
+# The runner picks the kernels up from the module the interpreter now runs.
+triton_modules.load("triton_attention", "_paged_attention_kernel")
 # Tiles of a cache block or two, so short test contexts still split into several.
 FINE = BalanceConfig(tiles_per_seq=3, granularity=4, min_tile_tokens=4)
 

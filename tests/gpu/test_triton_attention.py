@@ -9,30 +9,20 @@ attention is checked on the GPU only.
 
 from __future__ import annotations
 
-import importlib
 import math
-import os
 
+import attrs
+import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from cadence.gpu import attention
+from cadence.gpu.worklist import build_worklist
 
-import attrs  # noqa: E402
-import pytest  # noqa: E402
-from hypothesis import given, settings, strategies as st  # noqa: E402
+import triton_modules
+from triton_modules import DEVICE, HAS_CUDA
 
-from cadence.gpu import attention  # noqa: E402
-from cadence.gpu import triton_attention  # noqa: E402
-from cadence.gpu.worklist import build_worklist  # noqa: E402
-
-if not HAS_CUDA and not type(triton_attention._paged_attention_kernel).__name__.startswith(
-        "Interpreted"):
-    # Imported earlier in this process before the interpreter was switched on.
-    triton_attention = importlib.reload(triton_attention)
-
-DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+triton_attention = triton_modules.load("triton_attention", "_paged_attention_kernel")
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU; the interpreter "
                                    "runs the other tests on the CPU")
 FP32_TOLERANCE = 1e-4

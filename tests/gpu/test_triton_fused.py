@@ -8,26 +8,16 @@ the torch path are checked on a GPU only.
 
 from __future__ import annotations
 
-import importlib
-import os
-
+import pytest
 import torch
+from torch.nn import functional as F
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from cadence.gpu.model import RMSNorm
 
-import pytest  # noqa: E402
-from torch.nn import functional as F  # noqa: E402
+import triton_modules
+from triton_modules import DEVICE, HAS_CUDA
 
-from cadence.gpu import triton_fused  # noqa: E402
-from cadence.gpu.model import RMSNorm  # noqa: E402
-
-if not HAS_CUDA and not type(triton_fused._rms_norm_kernel).__name__.startswith("Interpreted"):
-    # Imported earlier in this process before the interpreter was switched on.
-    triton_fused = importlib.reload(triton_fused)
-
-DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+triton_fused = triton_modules.load("triton_fused", "_rms_norm_kernel")
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU; the interpreter "
                                    "runs the float32/float16 tests on the CPU")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
