@@ -123,6 +123,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **linear)
         else:
             self.q_norm = self.k_norm = None
+        self.fused = None  # the triton_fused module when fused, else None
 
     def forward(
         self,
@@ -136,10 +137,19 @@ class Attention(nn.Module):
         q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
         k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        if self.fused is not None:
+            norms = {}
+            if self.q_norm is not None:
+                norms = dict(q_norm_weight=self.q_norm.weight, k_norm_weight=self.k_norm.weight,
+                             eps=self.q_norm.eps)
+            q = self.fused.rope_and_write_kv(q, k, v, *rope, k_cache, v_cache, meta.slot_mapping,
+                                             **norms)
+            out = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale)
+            return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        k_cache, v_cache = kv_cache
         self.backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
@@ -232,9 +242,10 @@ class CausalLM(nn.Module):
         return previous
 
     def set_fused_elementwise(self, on: bool) -> None:
-        """Run every RMSNorm (with the residual add after attention) and SwiGLU
-        activation as single Triton kernels (`cadence.gpu.triton_fused`), or as
-        torch ops. Results agree up to the float32 order of the norm's sum."""
+        """Run every RMSNorm (with the residual add after attention), SwiGLU activation,
+        and each attention block's query/key norms, rotary embedding and cache write as
+        single Triton kernels (`cadence.gpu.triton_fused`), or as torch ops. Results
+        agree up to the float32 order of the norms' sums."""
         fused = None
         if on:
             from . import triton_fused  # needs triton; imported only when asked for
@@ -242,6 +253,10 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP)):
                 module.fused = fused
+            elif isinstance(module, Attention):
+                # The rotary kernel tiles whole heads: powers of two only.
+                power_of_two = module.head_dim & (module.head_dim - 1) == 0
+                module.fused = fused if power_of_two else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab_size] for hidden states [N, hidden_size]."""

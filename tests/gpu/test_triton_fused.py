@@ -76,12 +76,73 @@ def test_silu_and_mul_matches_the_torch_path(dtype, rows, cols):
                                atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+def _torch_rope_and_write(q, k, v, rope, k_cache, v_cache, slots, norms):
+    """The model's unfused path: per-head norms, rotary, then the cache write."""
+    from cadence.gpu.attention import write_kv
+    from cadence.gpu.model import apply_rotary
+
+    if norms is not None:
+        q, k = norms[0](q), norms[1](k)
+    q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+    keep = slots >= 0
+    write_kv(k_cache, v_cache, k[keep], v[keep], slots[keep])
+    return q
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_norm", [False, True])
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(4, 2), (6, 3), (2, 2)])
+def test_rope_and_write_kv_matches_the_torch_path(dtype, with_norm, num_q_heads, num_kv_heads):
+    """Queries rotated in place and keys/values stored at their slots as the unfused ops
+    do; a padding row (slot -1) stores nothing; other cache slots stay untouched."""
+    from cadence.gpu.model import RotaryEmbedding
+
+    torch.manual_seed(num_q_heads * 10 + num_kv_heads)
+    num_tokens, head_dim, block_size, num_blocks = 7, 64, 4, 6
+    q = torch.randn(num_tokens, num_q_heads, head_dim, device=DEVICE).to(dtype)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, device=DEVICE).to(dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, device=DEVICE).to(dtype)
+    positions = torch.tensor([0, 5, 9, 130, 2, 77, 1], device=DEVICE)
+    rope = RotaryEmbedding(head_dim, 10000.0, None)(positions, dtype)
+    slots = torch.tensor([3, 0, 17, 8, -1, 22, 12], dtype=torch.int64, device=DEVICE)
+    norms = (_norm(head_dim, dtype), _norm(head_dim, dtype)) if with_norm else None
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    caches = [torch.full(shape, 7.0, dtype=dtype, device=DEVICE) for _ in range(4)]
+    expected_q = _torch_rope_and_write(q.clone(), k, v, rope, caches[0], caches[1], slots, norms)
+    weights = dict(q_norm_weight=norms[0].weight, k_norm_weight=norms[1].weight,
+                   eps=norms[0].eps) if with_norm else {}
+    q_in = q.clone()
+    got_q = triton_fused.rope_and_write_kv(q_in, k, v, *rope, caches[2], caches[3], slots,
+                                           **weights)
+    assert got_q.data_ptr() == q_in.data_ptr(), "queries are rotated in place"
+    tolerance = dict(atol=TOLERANCE[dtype] * 4, rtol=TOLERANCE[dtype] * 4)
+    torch.testing.assert_close(got_q.float(), expected_q.float(), **tolerance)
+    torch.testing.assert_close(caches[2].float(), caches[0].float(), **tolerance)
+    torch.testing.assert_close(caches[3].float(), caches[1].float(), atol=0, rtol=0)
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
+    untouched[slots[slots >= 0]] = False
+    assert (caches[2].view(-1, num_kv_heads, head_dim)[untouched] == 7.0).all()
+
+
+def test_rope_and_write_kv_refuses_mismatched_shapes():
+    q = torch.zeros(2, 4, 64, device=DEVICE)
+    k = torch.zeros(2, 2, 64, device=DEVICE)
+    cache = torch.zeros(2, 4, 2, 64, device=DEVICE)
+    cos = torch.zeros(2, 1, 64, device=DEVICE)
+    slots = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="both q_norm_weight and k_norm_weight"):
+        triton_fused.rope_and_write_kv(q, k, k, cos, cos, cache, cache, slots,
+                                       q_norm_weight=torch.ones(64, device=DEVICE))
+    with pytest.raises(ValueError, match="caches must be"):
+        triton_fused.rope_and_write_kv(q, k, k, cos, cos, cache[:, :, :1], cache[:, :, :1], slots)
+
+
 def test_the_model_switch_routes_norms_and_mlps_through_the_kernels():
     """set_fused_elementwise(True) gives every RMSNorm and MLP the kernels; a decoder
     layer's output then matches the torch path."""
     from cadence.gpu.attention import get_attention_backend
     from cadence.gpu.config import PRESETS
-    from cadence.gpu.model import MLP, build_model, init_random_weights
+    from cadence.gpu.model import MLP, Attention, build_model, init_random_weights
 
     config = PRESETS["tiny"]
     model = build_model(config, get_attention_backend("reference"), torch.float32, DEVICE)
@@ -90,24 +151,30 @@ def test_the_model_switch_routes_norms_and_mlps_through_the_kernels():
     hidden = torch.randn(3, config.hidden_size, device=DEVICE)
     expected = layer.mlp(layer.post_attention_layernorm.add_and_norm(hidden, hidden)[0])
     model.set_fused_elementwise(True)
-    assert all(m.fused is triton_fused for m in model.modules() if isinstance(m, (RMSNorm, MLP)))
+    assert all(m.fused is triton_fused for m in model.modules() if isinstance(m, (RMSNorm, MLP, Attention)))
     got = layer.mlp(layer.post_attention_layernorm.add_and_norm(hidden, hidden)[0])
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     model.set_fused_elementwise(False)
-    assert all(m.fused is None for m in model.modules() if isinstance(m, (RMSNorm, MLP)))
+    assert all(m.fused is None for m in model.modules() if isinstance(m, (RMSNorm, MLP, Attention)))
 
 
-def test_a_runner_with_fused_kernels_generates_the_same_greedy_tokens(plan_driver):
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_a_runner_with_fused_kernels_generates_the_same_greedy_tokens(plan_driver, qk_norm):
     """The whole model through the fused kernels (interpreted on a CPU) against the
-    torch path: same greedy tokens, log-probabilities within float32 noise."""
+    torch path: same greedy tokens, log-probabilities within float32 noise; with and
+    without per-head query/key norms (Qwen3's, fused into the rotary kernel)."""
+    import attrs
+
     from cadence.gpu import ModelRunner, preset
     from cadence.statemachine.sampling import SamplingParams
+
+    config = attrs.evolve(preset("tiny"), qk_norm=qk_norm)
 
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, ignore_eos=True)
     prompts = {"a": [5, 9, 2, 7], "b": list(range(40, 61))}
     results = []
     for fused in (False, True):
-        runner = ModelRunner(preset("tiny"), num_blocks=32, block_size=4, device=DEVICE,
+        runner = ModelRunner(config, num_blocks=32, block_size=4, device=DEVICE,
                              dtype="float32", fused_elementwise=fused)
         driver = plan_driver(runner, token_budget=16)
         for rid, prompt in prompts.items():
