@@ -56,6 +56,9 @@ def _tokenizer_for(model: str):
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the `add_engine_arguments` options describe."""
+    from .cli import resolve_model  # "demo" names the built-in model; cli builds on this module
+
+    args = argparse.Namespace(**{**vars(args), "model": resolve_model(args.model)})
     executor = args.executor or ("simulated" if args.model == "simulated" else "inprocess")
     latency = LatencyModel()
     if args.sim_step_us is not None:

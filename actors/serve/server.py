@@ -221,6 +221,7 @@ class Server:
         self.tcp_address: tuple[str, int] | None = None
         self.unix_path: str | None = None
         self.metrics_address: tuple[str, int] | None = None
+        self.http = None  # the HttpServer beside it, if any
         self._num_connections_opened = 0
         self._num_requests = 0
         self._shutdown_requested = trio.Event()
@@ -446,11 +447,14 @@ class Server:
     def check_token(self, token: str | None) -> bool:
         """Whether a Hello's token is acceptable (compared in constant time)."""
         expected = self.config.token
-        if expected is None:
-            return True
-        if token is None:
-            return False
-        return hmac.compare_digest(token.encode("utf-8"), expected.encode("utf-8"))
+        return expected is None or tokens_match(token, expected)
+
+
+def tokens_match(given: str | None, expected: str) -> bool:
+    """Whether a client's secret is the expected one, compared in constant time."""
+    if given is None:
+        return False
+    return hmac.compare_digest(given.encode("utf-8"), expected.encode("utf-8"))
 
 
 async def _unix_socket_answers(path: str) -> bool:
@@ -902,22 +906,28 @@ class _Connection:
 @asynccontextmanager
 async def open_server(engine_config: EngineConfig | None = None,
                       server_config: ServerConfig | None = None, *,
-                      metrics: bool | None = None) -> AsyncIterator[Server]:
+                      metrics: bool | None = None, http=None) -> AsyncIterator[Server]:
     """Open an engine and serve it for the duration of an `async with` block.
 
-    metrics: keep Prometheus metrics (default: when `metrics_port` is set);
-    with a port, the endpoint is served too (`server.metrics_address`).
+    metrics: keep Prometheus metrics (default: when `metrics_port` is set or
+    the HTTP API is on); with a port, the endpoint is served too
+    (`server.metrics_address`). http: an `HttpConfig` to serve the OpenAI HTTP
+    API beside the msgpack protocol (`server.http.address`).
     Leaving the block shuts the server down with no grace, then the engine.
     """
     server_config = server_config if server_config is not None else ServerConfig()
     if metrics is None:
-        metrics = server_config.metrics_port is not None
+        metrics = server_config.metrics_port is not None or http is not None
     recorder = ServerMetrics() if metrics else NullMetrics()
     async with open_engine(engine_config, on_step=recorder.on_step if metrics else None) as engine:
         recorder.bind(engine)
         server = Server(engine, server_config, recorder)
         async with trio.open_nursery() as nursery:
             await nursery.start(server.serve)
+            if http is not None:
+                from .http import serve_http  # it builds on this module
+
+                server.http = await nursery.start(serve_http, server, http)
             if metrics and server_config.metrics_port is not None:
                 server.metrics_address = await nursery.start(
                     serve_metrics, recorder, server_config.metrics_host, server_config.metrics_port)
@@ -939,9 +949,10 @@ class ServerThread:
     """
 
     def __init__(self, engine_config: EngineConfig | None = None,
-                 server_config: ServerConfig | None = None, *, metrics: bool | None = None) -> None:
+                 server_config: ServerConfig | None = None, *, metrics: bool | None = None,
+                 http=None) -> None:
         self._host: TrioThread[Server] = TrioThread(
-            lambda: open_server(engine_config, server_config, metrics=metrics),
+            lambda: open_server(engine_config, server_config, metrics=metrics, http=http),
             name="cadence-server", until=lambda server: server.wait_stopped())
 
     @property
@@ -1014,6 +1025,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                      help="serve Prometheus metrics over HTTP on this port (0: any free port)")
     obs.add_argument("--metrics-host", default="127.0.0.1")
     obs.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    from .http import add_http_arguments  # it builds on this module
+
+    add_http_arguments(parser)
     parser.set_defaults(func=run_serve)
     return parser
 
@@ -1061,7 +1075,9 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         engine_config = engine_config_from_args(args)
         server_config = server_config_from_args(args)
-        trio.run(_serve_until_signalled, engine_config, server_config)
+        from .http import http_config_from_args
+
+        trio.run(_serve_until_signalled, engine_config, server_config, http_config_from_args(args))
     except (CadenceError, OSError) as exc:
         print(f"cadence serve: {_one_line(exc)}", file=sys.stderr)
         return USAGE_ERROR
@@ -1074,10 +1090,13 @@ def _one_line(exc: BaseException) -> str:
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
-async def _serve_until_signalled(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+async def _serve_until_signalled(engine_config: EngineConfig, server_config: ServerConfig,
+                                 http=None) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with open_server(engine_config, server_config) as server:
+        async with open_server(engine_config, server_config, http=http) as server:
             print(f"cadence serve: listening on {' and '.join(server.addresses)}"
+                  + (f"; OpenAI API on http://{server.http.address[0]}:{server.http.address[1]}/v1"
+                     if server.http is not None else "")
                   + (f"; metrics on http://{server.metrics_address[0]}:{server.metrics_address[1]}/metrics"
                      if server.metrics_address else ""), flush=True)
             async with trio.open_nursery() as nursery:

@@ -1,0 +1,178 @@
+"""Chat templates: turn a list of messages into a model's prompt text.
+
+    template = ChatTemplate.from_dir("path/to/model")
+    prompt = template.render([{"role": "user", "content": "Hi"}])
+
+The template is the model folder's `chat_template.jinja`, or the
+`chat_template` of its `tokenizer_config.json`. It is rendered the way the
+Hugging Face ecosystem renders it, so a prompt is the same token for token:
+Jinja2's immutable sandbox (templates come from model hubs and are untrusted
+code) with `trim_blocks` and `lstrip_blocks`, the `loopcontrols` extension,
+`raise_exception`, a `tojson` that does not escape HTML, `strftime_now`, and
+the tokenizer's special-token strings (`bos_token`, `eos_token`, ...) as
+variables. The rendered text already holds any special tokens it needs, so
+it is encoded without adding more.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import attrs
+
+from cadence.statemachine.errors import ConfigError, InvalidRequestError
+
+__all__ = ["CHAT_TEMPLATE_FILE", "ChatTemplate", "ChatTemplateError", "check_messages", "encode_rendered"]
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+# tokenizer_config.json keys whose strings a template may use by name.
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
+                      "mask_token")
+# A tokenizer_config.json may hold several named templates; this one is used.
+DEFAULT_TEMPLATE_NAME = "default"
+
+
+class ChatTemplateError(InvalidRequestError):
+    """A conversation the template refuses (its `raise_exception`), or a model with
+    no chat template."""
+
+
+def _raise_exception(message: str):
+    import jinja2
+
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # Jinja's own tojson escapes <, > and & for HTML, which would change prompts.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _compile(source: str):
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise ConfigError(f"the chat template does not parse: {exc} (line {exc.lineno})") from None
+
+
+def _token_text(value: object) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _config_template(value: object) -> str | None:
+    """tokenizer_config.json's chat_template: one string, or a list of named ones."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {item.get("name"): item.get("template") for item in value if isinstance(item, Mapping)}
+        template = named.get(DEFAULT_TEMPLATE_NAME)
+        return template if isinstance(template, str) else None
+    return None
+
+
+def check_messages(messages: object, path: str = "messages") -> list[dict]:
+    """Validate a conversation: a non-empty list of maps with a string `role`;
+    raises InvalidRequestError naming the first bad element."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError(f"{path} must be a non-empty list of messages")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidRequestError(f"{path}[{index}] must be an object, got {type(message).__name__}")
+        if not isinstance(message.get("role"), str):
+            raise InvalidRequestError(f"{path}[{index}].role must be a string")
+        content = message.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise InvalidRequestError(f"{path}[{index}].content must be a string or a list of parts")
+    return messages  # type: ignore[return-value]
+
+
+@attrs.frozen
+class ChatTemplate:
+    """A compiled chat template with the special-token strings it may use."""
+
+    source: str
+    special_tokens: Mapping[str, Any] = attrs.field(factory=dict)
+    _compiled: Any = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "_compiled", _compile(self.source))
+
+    @classmethod
+    def from_dir(cls, directory: str | Path) -> ChatTemplate | None:
+        """The template of a model folder (None when it has none)."""
+        directory = Path(directory)
+        config: dict = {}
+        config_path = directory / TOKENIZER_CONFIG_FILE
+        if config_path.is_file():
+            try:
+                config = json.loads(config_path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"{config_path} could not be read: {exc}") from None
+        special: dict[str, Any] = {}
+        for key in SPECIAL_TOKEN_KEYS:
+            text = _token_text(config.get(key))
+            if text is not None:
+                special[key] = text
+        extra = [t for t in map(_token_text, config.get("additional_special_tokens") or ()) if t]
+        if extra:
+            special["additional_special_tokens"] = extra
+        template_path = directory / CHAT_TEMPLATE_FILE
+        if template_path.is_file():
+            source = template_path.read_text(encoding="utf-8")
+        else:
+            source = _config_template(config.get("chat_template"))
+        return None if source is None else cls(source, special)
+
+    @classmethod
+    def for_model(cls, model: str) -> ChatTemplate | None:
+        """The template of an engine's model: its folder's, or None (the simulated
+        model, presets, folders without one)."""
+        return cls.from_dir(model) if Path(model).is_dir() else None
+
+    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+               tools: list | None = None, documents: list | None = None, **variables: Any) -> str:
+        """The prompt text of a conversation; `add_generation_prompt` ends it with
+        the opening of the assistant's turn. Extra keywords reach the template as
+        variables (e.g. `enable_thinking`)."""
+        import jinja2
+
+        check_messages(list(messages))
+        values = {**self.special_tokens, **variables}
+        try:
+            return self._compiled.render(messages=list(messages), tools=tools, documents=documents,
+                                         add_generation_prompt=add_generation_prompt, **values)
+        except jinja2.exceptions.TemplateError as exc:
+            raise ChatTemplateError(f"the chat template refused the conversation: {exc}") from None
+
+
+def encode_rendered(tokenizer, text: str) -> list[int]:
+    """Token ids of a rendered conversation: the template wrote its special tokens,
+    so the tokenizer adds none of its own."""
+    try:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    except TypeError:  # a tokenizer that never adds any (the byte tokenizer)
+        return list(tokenizer.encode(text))

@@ -1,0 +1,602 @@
+"""The OpenAI-compatible HTTP API, served from the same engine as the msgpack protocol.
+
+    POST /v1/completions, POST /v1/chat/completions   (JSON, or server-sent events)
+    GET /v1/models, /health, /metrics, /version
+
+`cadence serve` runs it beside the msgpack listener (`--http-port`, default
+8000). It is an `HttpServer` bound to the msgpack `Server`: the same engine,
+the same in-flight and per-tenant counts and limits, the same drain, the
+same Prometheus registry and the same error classification; only the framing
+differs. HTTP/1.1 is spoken with h11, a sans-IO protocol library, so every
+byte moves in this Trio run: a request's stream is an engine `RequestStream`
+iterated by the connection's own task, and a client that goes away cancels
+that task at once, which aborts the request and frees its blocks before the
+scheduler plans its next step.
+
+Request translation (`openai_api.py`) is kept apart from the transport here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import time
+from http import HTTPStatus
+from importlib import metadata
+from typing import Callable
+
+import attrs
+import h11
+import trio
+
+from cadence.statemachine.errors import CadenceError, ConfigError
+
+from ..wire import ErrorCode
+from .openai_api import (
+    ApiError, ApiRequest, ChatTemplateSource, Choice, chunk_event, completion_body, parse_request,
+    status_of, usage_of,
+)
+from .server import Server, _engine_error_code, _StreamState, tokens_match
+
+__all__ = ["DEFAULT_HTTP_PORT", "HttpConfig", "HttpServer", "serve_http", "add_http_arguments",
+           "http_config_from_args"]
+
+_log = logging.getLogger("cadence.http")
+
+DEFAULT_HTTP_PORT = 8000
+# Largest request head (request line and headers) and body accepted.
+MAX_HEAD_BYTES = 16 * 1024
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+_READ_BYTES = 1 << 16
+# Bytes a client may send while its response streams (a pipelined next
+# request is kept for later); past this the connection is closed.
+_MAX_PIPELINED_BYTES = 1 << 20
+_SSE_DONE = b"data: [DONE]\n\n"
+_JSON = [(b"content-type", b"application/json")]
+_EVENT_STREAM = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+_GENERATION_PATHS = {"/v1/completions": False, "/v1/chat/completions": True}
+
+
+def _port(instance, attribute, value) -> None:
+    if not 0 <= value <= 65535:
+        raise ConfigError(f"{attribute.name} must be in [0, 65535], got {value!r}")
+
+
+def _positive(instance, attribute, value) -> None:
+    if not value > 0:
+        raise ConfigError(f"{attribute.name} must be > 0, got {value!r}")
+
+
+@attrs.frozen
+class HttpConfig:
+    """Where the HTTP API listens and what it asks of clients.
+
+    host, port: TCP address (port 0: any free port).
+    api_key: the Bearer token every /v1/ request must carry (None: no auth).
+    max_body_bytes: largest request body (a larger one is answered 413).
+    served_model_name: the model id clients name (default: the engine's model).
+    The connection limits and timeouts are the msgpack server's: its
+    `max_connections`, `handshake_timeout_s` (to send a whole request),
+    `idle_timeout_s` (between requests on a kept-alive connection) and
+    `send_timeout_s` (a write that makes no progress).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = attrs.field(default=DEFAULT_HTTP_PORT, validator=_port)
+    api_key: str | None = attrs.field(default=None, repr=False)
+    max_body_bytes: int = attrs.field(default=DEFAULT_MAX_BODY_BYTES, validator=_positive)
+    served_model_name: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key:
+            raise ConfigError("api_key must not be empty (use None for no authentication)")
+
+
+def _version() -> str:
+    try:
+        return metadata.version("cadence")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class _ClientGone(Exception):
+    """The client closed its connection or stopped reading."""
+
+
+class _Exchange:
+    """One HTTP connection: h11 state, and the only writer of its socket."""
+
+    def __init__(self, stream: trio.SocketStream, send_timeout_s: float) -> None:
+        self.stream = stream
+        self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+        self.send_timeout_s = send_timeout_s
+        self._lock = trio.Lock()
+
+    async def next_event(self):
+        """The next h11 event, reading from the socket as needed."""
+        while True:
+            event = self.conn.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            data = await self.stream.receive_some(_READ_BYTES)
+            self.conn.receive_data(data)
+
+    async def send(self, *events) -> None:
+        """Write h11 events; raises _ClientGone if the client is gone or not reading."""
+        data = b"".join(self.conn.send(event) for event in events)
+        async with self._lock:
+            with trio.move_on_after(self.send_timeout_s) as scope:
+                try:
+                    await self.stream.send_all(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    raise _ClientGone() from None
+            if scope.cancelled_caught:
+                raise _ClientGone()
+
+    async def send_json(self, status: int, body: object, headers: list | None = None) -> None:
+        """A whole JSON response."""
+        payload = json.dumps(body, separators=(",", ":")).encode("utf-8")
+        head = [*_JSON, (b"content-length", str(len(payload)).encode()), *(headers or ())]
+        await self.send(_response(status, head), h11.Data(data=payload),
+                        h11.EndOfMessage())
+
+    async def send_error(self, error: ApiError, close: bool = False) -> None:
+        """An error in OpenAI's JSON shape."""
+        headers = [(b"connection", b"close")] if close else []
+        if error.status == 401:
+            headers.append((b"www-authenticate", b"Bearer"))
+        await self.send_json(error.status, error.body(), headers)
+
+    async def watch_for_disconnect(self, cancel_scope: trio.CancelScope) -> None:
+        """While a response is produced: cancel it as soon as the client closes."""
+        received = 0
+        while True:
+            try:
+                data = await self.stream.receive_some(_READ_BYTES)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                data = b""
+            if not data:
+                cancel_scope.cancel()
+                return
+            received += len(data)
+            if received > _MAX_PIPELINED_BYTES:
+                cancel_scope.cancel()
+                return
+            self.conn.receive_data(data)  # a pipelined request, parsed after this one
+
+
+class HttpServer:
+    """Serves the OpenAI HTTP API for a msgpack `Server`'s engine; see the module docstring."""
+
+    def __init__(self, server: Server, config: HttpConfig | None = None) -> None:
+        self.server = server
+        self.engine = server.engine
+        self.config = config if config is not None else HttpConfig()
+        self.model_name = self.config.served_model_name or self.engine.config.model
+        self.address: tuple[str, int] | None = None
+        self.num_connections = 0
+        self.chat_templates = ChatTemplateSource(self.engine)
+        self.token_text = _token_text_function(self.engine.tokenizer)
+        self._num_requests = 0
+        self._created = int(time.time())
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Listen and serve until cancelled; `nursery.start` returns the address."""
+        config = self.config
+        backlog = min(65535, max(128, self.server.config.max_connections))
+        listeners = await trio.open_tcp_listeners(config.port, host=config.host, backlog=backlog)
+        self.address = tuple(listeners[0].socket.getsockname()[:2])
+        if config.host not in ("127.0.0.1", "::1", "localhost") and config.api_key is None:
+            _log.warning("HTTP API on %s without an API key: anyone who can reach it may use "
+                         "the engine", config.host)
+        task_status.started(self.address)
+        await trio.serve_listeners(self._handle, listeners)
+
+    # ---- a connection ------------------------------------------------------------
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        limits = self.server.config
+        exchange = _Exchange(stream, limits.send_timeout_s)
+        self.num_connections += 1
+        try:
+            if self.num_connections > limits.max_connections:
+                await self._refuse(exchange, ApiError(
+                    503, f"the server already has {limits.max_connections} HTTP connections",
+                    code="too_many_connections"))
+                return
+            await self._serve_connection(exchange)
+        except (_ClientGone, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+        except Exception:  # a bug here must cost one connection, never the server
+            _log.exception("HTTP connection failed")
+        finally:
+            self.num_connections -= 1
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+
+    async def _refuse(self, exchange: _Exchange, error: ApiError) -> None:
+        with trio.move_on_after(limits_timeout(self.server)):
+            event = await exchange.next_event()
+            if isinstance(event, h11.Request):
+                await exchange.send_error(error, close=True)
+
+    async def _serve_connection(self, exchange: _Exchange) -> None:
+        limits = self.server.config
+        first = True
+        while True:
+            # A new connection must send its request promptly; a kept-alive one may idle.
+            timeout = limits.handshake_timeout_s if first else (limits.idle_timeout_s or math.inf)
+            first = False
+            try:
+                with trio.move_on_after(timeout):
+                    event = await exchange.next_event()
+                    if isinstance(event, h11.Request):
+                        request = await self._read_request(exchange, event)
+                        if request is None:
+                            return
+                        await self._respond(exchange, *request)
+                    if not self._next_cycle(exchange):
+                        return
+                    continue
+                return  # timed out waiting for (the rest of) a request
+            except h11.RemoteProtocolError as exc:
+                if exchange.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+                    await exchange.send_error(ApiError(exc.error_status_hint, f"bad HTTP request: {exc}"),
+                                              close=True)
+                return
+
+    def _next_cycle(self, exchange: _Exchange) -> bool:
+        conn = exchange.conn
+        if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
+            conn.start_next_cycle()
+            return True
+        return False
+
+    async def _read_request(self, exchange: _Exchange, request: h11.Request):
+        """The method, path, headers and body of a request; None after answering an
+        oversized one (413, and the connection closes)."""
+        headers = {name.lower(): value for name, value in request.headers}
+        limit = self.config.max_body_bytes
+        declared = headers.get(b"content-length")
+        if declared is not None and int(declared) > limit:
+            await exchange.send_error(ApiError(
+                413, f"the request body has {int(declared)} bytes, the limit is {limit}",
+                code="body_too_large"), close=True)
+            return None
+        body = bytearray()
+        while True:
+            event = await exchange.next_event()
+            if isinstance(event, h11.EndOfMessage):
+                break
+            if isinstance(event, h11.Data):
+                body += event.data
+                if len(body) > limit:
+                    await exchange.send_error(ApiError(
+                        413, f"the request body has more than {limit} bytes, the limit",
+                        code="body_too_large"), close=True)
+                    return None
+        path = request.target.split(b"?", 1)[0].decode("ascii", "replace")
+        return request.method.decode("ascii", "replace"), path, headers, bytes(body)
+
+    async def _respond(self, exchange: _Exchange, method: str, path: str, headers: dict,
+                       body: bytes) -> None:
+        try:
+            if path.startswith("/v1/"):
+                self._authenticate(headers)
+            if path in _GENERATION_PATHS:
+                _allow(method, "POST")
+                await self._generate(exchange, body, chat=_GENERATION_PATHS[path])
+            elif path == "/v1/models":
+                _allow(method, "GET")
+                await exchange.send_json(200, self._models())
+            elif path == "/health":
+                _allow(method, "GET")
+                await self._health(exchange)
+            elif path == "/metrics":
+                _allow(method, "GET")
+                await self._metrics(exchange)
+            elif path == "/version":
+                _allow(method, "GET")
+                await exchange.send_json(200, {"version": _version()})
+            else:
+                raise ApiError(404, f"no route {path}", code="not_found")
+        except ApiError as error:
+            if exchange.conn.our_state is h11.SEND_RESPONSE:
+                await exchange.send_error(error)
+
+    def _authenticate(self, headers: dict) -> None:
+        expected = self.config.api_key
+        if expected is None:
+            return
+        given = headers.get(b"authorization", b"")
+        scheme, _, token = given.partition(b" ")
+        if scheme.lower() != b"bearer" or not tokens_match(token.strip().decode("latin-1"), expected):
+            raise ApiError(401, "missing or wrong API key (send Authorization: Bearer KEY)",
+                           code="invalid_api_key")
+
+    # ---- small endpoints ---------------------------------------------------------
+    def _models(self) -> dict:
+        return {"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self._created, "owned_by": "cadence",
+            "root": self.engine.config.model, "max_model_len": self.engine.core.config.max_model_len,
+        }]}
+
+    async def _health(self, exchange: _Exchange) -> None:
+        reply = self.server.health(0)
+        body = {"status": reply.status, "num_running": reply.num_running,
+                "num_waiting": reply.num_waiting, "kv_usage": reply.kv_usage,
+                "num_connections": reply.num_connections + self.num_connections}
+        await exchange.send_json(200 if reply.status == "ok" else 503, body)
+
+    async def _metrics(self, exchange: _Exchange) -> None:
+        exposition = getattr(self.server.metrics, "exposition", None)
+        if exposition is None:
+            raise ApiError(404, "metrics are off on this server", code="not_found")
+        payload = exposition()
+        await exchange.send(
+            _response(200, [
+                (b"content-type", b"text/plain; version=0.0.4; charset=utf-8"),
+                (b"content-length", str(len(payload)).encode())]),
+            h11.Data(data=payload), h11.EndOfMessage())
+
+    # ---- generation --------------------------------------------------------------
+    async def _generate(self, exchange: _Exchange, body: bytes, chat: bool) -> None:
+        try:
+            payload = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the body is not JSON: {exc}") from None
+        request = parse_request(payload, chat, self)
+        choices = self._admit(request)
+        # Cancelled when the client goes away: every choice's stream is then
+        # abandoned mid-iteration, which aborts its request.
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(exchange.watch_for_disconnect, scope)
+                try:
+                    await self._start(request, choices)
+                    if request.stream:
+                        await self._stream(exchange, request, choices, scope)
+                    else:
+                        await self._run_choices(choices, None)
+                        _raise_first_error(choices, self.server.draining)
+                        await exchange.send_json(200, completion_body(request, choices, self))
+                finally:
+                    nursery.cancel_scope.cancel()
+                    with trio.CancelScope(shield=True):
+                        for choice in choices:
+                            await self._release(choice)
+
+    def _admit(self, request: ApiRequest) -> list[Choice]:
+        """Check the shared limits and take the request's places in the in-flight counts."""
+        server, limits = self.server, self.server.config
+        num_choices = len(request.prompts) * request.n
+        if server.draining:
+            self._reject("shutdown")
+            raise ApiError(503, "the server is shutting down", code="shutdown")
+        per_tenant = limits.max_inflight_per_tenant
+        if per_tenant is not None and server.tenant_inflight[request.tenant] + num_choices > per_tenant:
+            self._reject("tenant_limit")
+            raise ApiError(429, f"tenant {request.tenant[:64]!r} already has "
+                                f"{server.tenant_inflight[request.tenant]} live streams and asks for "
+                                f"{num_choices}; max_inflight_per_tenant is {per_tenant}",
+                           code="tenant_limit")
+        choices = []
+        for prompt_index, prompt in enumerate(request.prompts):
+            for sample in range(request.n):
+                self._num_requests += 1
+                request_id = f"h{self._num_requests}"
+                stream = self.engine.generate(
+                    prompt, request.params_for(sample), priority=request.priority,
+                    tenant=request.tenant, deadline_s=request.deadline_s, request_id=request_id)
+                state = _StreamState(len(choices), request.tenant, request_id)
+                server.num_inflight += 1
+                server.tenant_inflight[request.tenant] += 1
+                choices.append(Choice(len(choices), prompt_index, stream, state))
+        return choices
+
+    def _reject(self, code: str) -> None:
+        self.server.metrics.on_rejected(code)
+
+    async def _start(self, request: ApiRequest, choices: list[Choice]) -> None:
+        """Submit every choice together; a refusal becomes the response's error."""
+        try:
+            for choice in choices:
+                choice.stream.enqueue()
+            for choice in choices:
+                await choice.stream.start()
+                choice.started = True
+                choice.num_prompt_tokens = self._num_prompt_tokens(request.prompts[choice.prompt_index], choice)
+                self.server.metrics.on_accepted(choice.num_prompt_tokens)
+        except CadenceError as exc:
+            code = _engine_error_code(exc, self.server.draining)
+            self._reject(code.value)
+            raise _api_error(exc, self.server.draining) from None
+
+    def _num_prompt_tokens(self, prompt, choice: Choice) -> int:
+        actor = self.engine.scheduler.actors.get(choice.state.request_id)
+        if actor is not None:
+            return actor.request.num_prompt_tokens
+        if not isinstance(prompt, str):
+            return len(prompt)
+        return len(self.engine.tokenizer.encode(prompt))
+
+    async def _release(self, choice: Choice) -> None:
+        await choice.stream.aclose()  # aborts the request unless it finished
+        if not choice.released:
+            choice.released = True
+            self.server.stream_finished(choice.state)
+
+    async def _relay(self, choice: Choice, emit: Callable | None) -> None:
+        """Iterate one choice's stream, recording metrics and (streaming) emitting
+        deltas; an engine error is kept on the choice."""
+        metrics = self.server.metrics
+        previous_s = None
+        try:
+            async for out in choice.stream:
+                if out.token_ids:
+                    metrics.on_tokens(len(out.token_ids), out.first_token_s, out.arrival_s,
+                                      previous_s, out.now_s)
+                    previous_s = out.now_s
+                choice.add(out)
+                if out.finish_reason is not None:
+                    metrics.on_finished(out.finish_reason, out.arrival_s, out.now_s)
+                if emit is not None:
+                    await emit(choice, out)
+        except CadenceError as exc:
+            choice.error = exc
+
+    async def _run_choices(self, choices: list[Choice], emit: Callable | None) -> None:
+        if len(choices) == 1:
+            await self._relay(choices[0], emit)
+            return
+        async with trio.open_nursery() as nursery:
+            for choice in choices:
+                nursery.start_soon(self._relay, choice, emit)
+
+    async def _stream(self, exchange: _Exchange, request: ApiRequest, choices: list[Choice],
+                      scope: trio.CancelScope) -> None:
+        await exchange.send(_response(200, _EVENT_STREAM))
+        if request.chat:
+            await exchange.send(*(h11.Data(data=chunk_event(request, [c.role_delta()]))
+                                  for c in choices))
+        elif request.echo:
+            await exchange.send(*(h11.Data(data=chunk_event(request, [c.echo_delta(request, self)]))
+                                  for c in choices))
+        token_text = self.token_text
+
+        async def emit(choice: Choice, out) -> None:
+            entry = choice.delta(request, out, token_text)
+            if entry is None:
+                return
+            try:
+                await exchange.send(h11.Data(data=chunk_event(request, [entry])))
+            except _ClientGone:
+                scope.cancel()
+
+        await self._run_choices(choices, emit)
+        for choice in choices:
+            if choice.error is not None:
+                # The headers are gone: the error travels as an event in OpenAI's shape.
+                error = _api_error(choice.error, self.server.draining)
+                await exchange.send(h11.Data(data=_event(error.body())))
+        if request.include_usage:
+            await exchange.send(h11.Data(data=chunk_event(request, [], usage_of(request, choices))))
+        await exchange.send(h11.Data(data=_SSE_DONE), h11.EndOfMessage())
+
+
+def _response(status: int, headers: list) -> h11.Response:
+    try:
+        reason = HTTPStatus(status).phrase.encode()
+    except ValueError:
+        reason = b""
+    return h11.Response(status_code=status, headers=headers, reason=reason)
+
+
+def _event(body: dict) -> bytes:
+    return b"data: " + json.dumps(body, separators=(",", ":")).encode("utf-8") + b"\n\n"
+
+
+def _api_error(exc: CadenceError, draining: bool) -> ApiError:
+    """An engine error as an HTTP error, classified as the msgpack server classifies it."""
+    code = _engine_error_code(exc, draining)
+    return ApiError(status_of(code), str(exc), code=code.value,
+                    param="prompt" if code is ErrorCode.REQUEST_TOO_LONG else None)
+
+
+def _raise_first_error(choices: list[Choice], draining: bool) -> None:
+    for choice in choices:
+        if choice.error is not None:
+            raise _api_error(choice.error, draining)
+
+
+def _allow(method: str, allowed: str) -> None:
+    if method != allowed:
+        raise ApiError(405, f"method {method} is not allowed here; use {allowed}", code="method_not_allowed")
+
+
+def limits_timeout(server: Server) -> float:
+    """How long a refused connection may take to send its request."""
+    return server.config.handshake_timeout_s
+
+
+def _token_text_function(tokenizer) -> Callable[[int], str]:
+    """The text of one token id, special tokens spelled out (for logprobs)."""
+    if tokenizer is None:
+        return lambda token_id: f"token_id:{token_id}"
+    try:
+        tokenizer.decode([0], skip_special_tokens=False)
+    except TypeError:
+        return lambda token_id: tokenizer.decode([token_id])
+    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+async def serve_http(server: Server, config: HttpConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve the HTTP API for `server` until cancelled; `nursery.start` returns the
+    `HttpServer` once it listens."""
+    http = HttpServer(server, config)
+    await http.serve(task_status=_Relabel(task_status, http))
+
+
+class _Relabel:
+    """Reports the HttpServer rather than its address to `nursery.start`."""
+
+    def __init__(self, task_status, value) -> None:
+        self._task_status, self._value = task_status, value
+
+    def started(self, _address=None) -> None:
+        """Pass the HttpServer on."""
+        self._task_status.started(self._value)
+
+
+# ---------------------------------------------------------------------------
+# `cadence serve` options.
+
+API_KEY_ENV = "CADENCE_API_KEY"
+
+
+def add_http_arguments(parser: argparse.ArgumentParser) -> None:
+    """The HTTP API's options of `cadence serve`."""
+    group = parser.add_argument_group("OpenAI HTTP API")
+    group.add_argument("--http-port", type=int, default=None,
+                       help=f"port of the OpenAI-compatible HTTP API on --host (default: "
+                            f"{DEFAULT_HTTP_PORT}, or any free port when --port is 0)")
+    group.add_argument("--no-http", action="store_true", help="no HTTP API")
+    group.add_argument("--api-key", default=None,
+                       help="require Authorization: Bearer KEY on /v1/ (also read from the "
+                            f"{API_KEY_ENV} environment variable)")
+    group.add_argument("--api-key-file", metavar="PATH", default=None,
+                       help="read the API key from this file")
+    group.add_argument("--served-model-name", default=None,
+                       help="the model id clients name (default: --model)")
+    group.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                       help="largest HTTP request body (default: %(default)s)")
+
+
+def http_config_from_args(args: argparse.Namespace) -> HttpConfig | None:
+    """The HttpConfig the options describe (None with --no-http)."""
+    if args.no_http:
+        return None
+    port = args.http_port
+    if port is None:
+        # A server on any free port is a test or a second instance: its HTTP API too.
+        port = 0 if args.port == 0 else DEFAULT_HTTP_PORT
+    return HttpConfig(host=args.host, port=port, api_key=_read_api_key(args),
+                      max_body_bytes=args.max_body_bytes,
+                      served_model_name=args.served_model_name or args.model)
+
+
+def _read_api_key(args: argparse.Namespace) -> str | None:
+    if args.api_key is not None:
+        return args.api_key
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                key = f.read().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the API key file: {exc.strerror}: {args.api_key_file}") from None
+        if not key:
+            raise ConfigError(f"the API key file {args.api_key_file} is empty")
+        return key
+    return os.environ.get(API_KEY_ENV) or None

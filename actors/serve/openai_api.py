@@ -1,0 +1,418 @@
+"""OpenAI request and response bodies: JSON in, engine requests out, and back.
+
+`parse_request` checks a completions or chat body field by field (a bad one
+is a 400 naming it) and turns it into an `ApiRequest`: the prompts (a chat's
+messages rendered with the model's chat template), one `SamplingParams`, and
+Cadence's own extensions (`priority`, `tenant`, `deadline_s`). `Choice`
+accumulates one engine stream and renders its deltas and its whole answer
+in OpenAI's shapes (text or message, `logprobs`, `finish_reason`, `usage`).
+The transport lives in http.py.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Callable
+
+import attrs
+
+from cadence.statemachine.errors import InvalidRequestError, ProtocolError
+from cadence.statemachine.sampling import SamplingParams
+
+from ..chat import ChatTemplate, encode_rendered
+from ..engine import Engine, RequestStream
+from ..fields import (
+    check_bool, check_dict, check_finite_float, check_ids, check_int, check_list, check_str,
+    check_strs, kind,
+)
+from ..wire import MAX_ID, MAX_TENANT_CHARS, ErrorCode
+from .server import _StreamState
+
+__all__ = ["ApiError", "ApiRequest", "Choice", "ChatTemplateSource", "parse_request", "status_of",
+           "usage_of", "chunk_event", "completion_body"]
+
+# OpenAI's default when a completion names no max_tokens.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+# Most choices one request may ask for (n times the number of prompts).
+MAX_CHOICES = 128
+# JSON has no -inf: a token the sampler could never pick reports this logprob.
+MIN_LOGPROB = -9999.0
+# The most alternatives per token SamplingParams allows.
+MAX_TOP_LOGPROBS = 20
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                500: "server_error", 503: "service_unavailable"}
+_STATUS_OF_CODE = {
+    ErrorCode.INVALID_REQUEST: 400, ErrorCode.REQUEST_TOO_LONG: 400, ErrorCode.QUEUE_FULL: 429,
+    ErrorCode.TENANT_LIMIT: 429, ErrorCode.TOO_MANY_REQUESTS: 429, ErrorCode.SHUTDOWN: 503,
+    ErrorCode.ENGINE_CLOSED: 503, ErrorCode.EXECUTOR_ERROR: 500, ErrorCode.INTERNAL: 500,
+}
+
+_SAMPLING_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty")
+_COMMON_FIELDS = frozenset({
+    "model", "stream", "stream_options", "max_tokens", "n", "stop", "seed", "logprobs", "user",
+    "top_k", "priority", "tenant", "deadline_s", "min_tokens", "ignore_eos", "stop_token_ids",
+    "include_stop_str_in_output", "best_of", *_SAMPLING_FLOATS})
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs",
+                                 "add_generation_prompt", "chat_template_kwargs"}
+# OpenAI fields Cadence does not implement: named in the 400 rather than ignored.
+_UNSUPPORTED = frozenset({"suffix", "logit_bias", "response_format", "tools", "tool_choice",
+                          "functions", "function_call", "parallel_tool_calls", "service_tier",
+                          "store", "modalities", "audio", "prediction", "reasoning_effort"})
+
+
+class ApiError(Exception):
+    """A request answered with an error status, in OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        """The JSON error object."""
+        return {"error": {"message": self.message, "type": _ERROR_TYPES.get(self.status, "error"),
+                          "param": self.param, "code": self.code}}
+
+
+def status_of(code: ErrorCode) -> int:
+    """The HTTP status of an engine refusal, by the msgpack server's error code."""
+    return _STATUS_OF_CODE.get(code, 500)
+
+
+class ChatTemplateSource:
+    """The engine's model's chat template, loaded once when first needed."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._loaded = False
+        self._template: ChatTemplate | None = None
+
+    def get(self) -> ChatTemplate:
+        """The template; a 400 when the model has none."""
+        if not self._loaded:
+            self._template = ChatTemplate.for_model(self._engine.config.model)
+            self._loaded = True
+        if self._template is None:
+            raise ApiError(400, f"the model {self._engine.config.model!r} has no chat template "
+                                "(chat_template.jinja or tokenizer_config.json's chat_template); "
+                                "use /v1/completions", param="messages")
+        return self._template
+
+
+@attrs.frozen
+class ApiRequest:
+    """A checked completions or chat request."""
+
+    chat: bool
+    response_id: str
+    created: int
+    model: str
+    prompts: list  # each a str or a list of token ids
+    params: SamplingParams
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    # Top alternatives to report per token (0: the sampled token only); None: no logprobs.
+    logprobs: int | None = None
+    priority: int = 0
+    tenant: str = "default"
+    deadline_s: float | None = None
+
+    def params_for(self, sample: int) -> SamplingParams:
+        """The parameters of the `sample`-th of n choices: seeded choices differ."""
+        if sample and self.params.seed is not None:
+            return attrs.evolve(self.params, seed=self.params.seed + sample)
+        return self.params
+
+
+def _field(body: dict, name: str, check: Callable, *args) -> Any:
+    """A field's value through a fields.py check; None when absent or null."""
+    value = body.get(name)
+    if value is None:
+        return None
+    try:
+        return check(value, name, *args)
+    except ProtocolError as exc:
+        raise ApiError(400, str(exc), param=name) from None
+
+
+def parse_request(body: object, chat: bool, http) -> ApiRequest:
+    """Check a request body and build the ApiRequest; raises ApiError (400 naming the
+    field, 404 for an unknown model)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the body must be a JSON object, got {kind(body)}")
+    allowed = _CHAT_FIELDS if chat else _COMPLETION_FIELDS
+    for name, value in body.items():
+        if name in allowed or value is None:
+            continue
+        if name in _UNSUPPORTED:
+            raise ApiError(400, f"{name} is not supported by this server", param=name)
+        raise ApiError(400, f"unknown field {name!r}", param=name)
+    model = _field(body, "model", check_str)
+    if model is not None and model != http.model_name:
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                            f"{http.model_name!r}", param="model", code="model_not_found")
+    engine: Engine = http.engine
+    if chat:
+        prompts = [_chat_prompt(body, http)]
+    else:
+        prompts = _completion_prompts(body.get("prompt"))
+    n = _field(body, "n", check_int, 1, MAX_CHOICES) or 1
+    best_of = _field(body, "best_of", check_int, 1)
+    if best_of is not None and best_of != n:
+        raise ApiError(400, f"best_of must equal n ({n}) here, got {best_of}", param="best_of")
+    if n * len(prompts) > MAX_CHOICES:
+        raise ApiError(400, f"n times the number of prompts is {n * len(prompts)}, the limit is "
+                            f"{MAX_CHOICES}", param="n")
+    stream = bool(_field(body, "stream", check_bool))
+    options = _field(body, "stream_options", check_dict) or {}
+    include_usage = options.get("include_usage", False)
+    if type(include_usage) is not bool:
+        raise ApiError(400, "stream_options.include_usage: expected bool", param="stream_options")
+    logprobs = _logprobs(body, chat)
+    echo = bool(_field(body, "echo", check_bool))
+    params = _sampling_params(body, chat, prompts, logprobs, engine)
+    tenant = _field(body, "tenant", check_str, MAX_TENANT_CHARS)
+    _field(body, "user", check_str)
+    return ApiRequest(
+        chat=chat, response_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+        created=int(time.time()), model=http.model_name, prompts=prompts, params=params, n=n,
+        stream=stream, include_usage=stream and include_usage, echo=echo, logprobs=logprobs,
+        priority=_field(body, "priority", check_int, -MAX_ID - 1, MAX_ID) or 0,
+        tenant=tenant if tenant is not None else "default",
+        deadline_s=_field(body, "deadline_s", check_finite_float))
+
+
+def _completion_prompts(prompt: object) -> list:
+    """A completion's prompt: a string, a list of strings, token ids or lists of them."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids "
+                            "or a list of such lists (and not empty)", param="prompt")
+    try:
+        if all(type(item) is int for item in prompt):
+            return [check_ids(prompt, "prompt")]
+        if all(isinstance(item, str) for item in prompt):
+            return list(check_strs(prompt, "prompt"))
+        return [check_ids(item, f"prompt[{i}]") for i, item in enumerate(check_list(prompt, "prompt"))]
+    except ProtocolError as exc:
+        raise ApiError(400, str(exc), param="prompt") from None
+
+
+def _chat_prompt(body: dict, http) -> list[int]:
+    """A chat's messages rendered with the model's template, as token ids."""
+    messages = body.get("messages")
+    add_generation_prompt = _field(body, "add_generation_prompt", check_bool)
+    variables = _field(body, "chat_template_kwargs", check_dict) or {}
+    template = http.chat_templates.get()
+    try:
+        text = template.render(messages, add_generation_prompt=add_generation_prompt is not False,
+                               **variables)
+    except InvalidRequestError as exc:
+        raise ApiError(400, str(exc), param="messages") from None
+    tokenizer = http.engine.tokenizer
+    if tokenizer is None:
+        raise ApiError(400, "chat needs a tokenizer; this engine has none", param="messages")
+    return encode_rendered(tokenizer, text)
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    if not chat:
+        return _field(body, "logprobs", check_int, 0, MAX_TOP_LOGPROBS)
+    wanted = _field(body, "logprobs", check_bool)
+    top = _field(body, "top_logprobs", check_int, 0, MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _sampling_params(body: dict, chat: bool, prompts: list, logprobs: int | None,
+                     engine: Engine) -> SamplingParams:
+    fields: dict[str, Any] = {}
+    max_tokens = _field(body, "max_tokens", check_int, 1)
+    if chat:
+        newer = _field(body, "max_completion_tokens", check_int, 1)
+        max_tokens = newer if newer is not None else max_tokens
+    if max_tokens is None:
+        if chat:
+            # As vLLM does: as long as the context allows.
+            max_tokens = max(1, engine.core.config.max_model_len - len(prompts[0]))
+        else:
+            max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
+    fields["max_tokens"] = max_tokens
+    for name in _SAMPLING_FLOATS:
+        value = _field(body, name, check_finite_float)
+        if value is not None:
+            fields[name] = value
+    top_k = _field(body, "top_k", check_int, None)
+    if top_k is not None:
+        fields["top_k"] = 0 if top_k == -1 else top_k  # vLLM spells "off" as -1
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        fields["stop"] = (stop,)
+    elif stop is not None:
+        fields["stop"] = tuple(_field(body, "stop", check_strs))
+    for name, check, args in (("seed", check_int, (None,)), ("min_tokens", check_int, (0,)),
+                              ("ignore_eos", check_bool, ()),
+                              ("include_stop_str_in_output", check_bool, ()),
+                              ("stop_token_ids", check_ids, ())):
+        value = _field(body, name, check, *args)
+        if value is not None:
+            fields[name] = value
+    fields["logprobs"] = logprobs
+    try:
+        return SamplingParams(**fields)
+    except InvalidRequestError as exc:
+        name = str(exc).split(" ", 1)[0]
+        if name == "logprobs" and chat:
+            name = "top_logprobs"
+        raise ApiError(400, str(exc), param=name if name in body or name == "max_tokens" else None) from None
+
+
+# ---------------------------------------------------------------------------
+# Responses.
+
+
+def _logprob(value: float) -> float:
+    return value if value > MIN_LOGPROB else MIN_LOGPROB
+
+
+@attrs.define(eq=False)
+class Choice:
+    """One engine stream of a response, and what it has produced so far."""
+
+    index: int
+    prompt_index: int
+    stream: RequestStream
+    state: _StreamState
+    started: bool = False
+    released: bool = False
+    num_prompt_tokens: int = 0
+    num_tokens: int = 0
+    texts: list = attrs.Factory(list)
+    logprobs: list = attrs.Factory(list)  # (token id, pairs) per generated token
+    finish_reason: str | None = None
+    error: Exception | None = None
+    text_offset: int = 0
+
+    def add(self, out) -> None:
+        """Take one engine delta."""
+        if out.text:
+            self.texts.append(out.text)
+        if out.logprobs is not None:
+            self.logprobs.extend(zip(out.token_ids, out.logprobs))
+        self.num_tokens = out.num_tokens
+        if out.finish_reason is not None:
+            self.finish_reason = out.finish_reason
+
+    def role_delta(self) -> dict:
+        """A chat stream's first chunk for this choice."""
+        return {"index": self.index, "delta": {"role": "assistant", "content": ""},
+                "logprobs": None, "finish_reason": None}
+
+    def echo_delta(self, request: ApiRequest, http) -> dict:
+        """A completion stream's first chunk when the prompt is echoed."""
+        text = _prompt_text(request.prompts[self.prompt_index], http)
+        self.text_offset = len(text)
+        return {"index": self.index, "text": text, "logprobs": None, "finish_reason": None}
+
+    def delta(self, request: ApiRequest, out, token_text: Callable[[int], str]) -> dict | None:
+        """The chunk entry for one engine delta (None when it says nothing)."""
+        text = out.text or ""
+        if not text and out.finish_reason is None and not out.token_ids:
+            return None
+        logprobs = None
+        if request.logprobs is not None and out.logprobs is not None:
+            logprobs = self._render_logprobs(request, list(zip(out.token_ids, out.logprobs)),
+                                             token_text)
+        if request.chat:
+            entry = {"index": self.index, "delta": {"content": text} if text else {},
+                     "logprobs": logprobs, "finish_reason": out.finish_reason}
+        else:
+            entry = {"index": self.index, "text": text, "logprobs": logprobs,
+                     "finish_reason": out.finish_reason}
+        return entry
+
+    def whole(self, request: ApiRequest, http) -> dict:
+        """The choice of a non-streamed answer."""
+        text = "".join(self.texts)
+        logprobs = None
+        if request.logprobs is not None:
+            if not request.chat and request.echo:
+                self.text_offset = len(_prompt_text(request.prompts[self.prompt_index], http))
+            logprobs = self._render_logprobs(request, self.logprobs, http.token_text)
+        if request.chat:
+            return {"index": self.index, "message": {"role": "assistant", "content": text},
+                    "logprobs": logprobs, "finish_reason": self.finish_reason}
+        if request.echo:
+            text = _prompt_text(request.prompts[self.prompt_index], http) + text
+        return {"index": self.index, "text": text, "logprobs": logprobs,
+                "finish_reason": self.finish_reason}
+
+    def _render_logprobs(self, request: ApiRequest, tokens: list, token_text) -> dict:
+        top = request.logprobs
+        if request.chat:
+            content = []
+            for token_id, pairs in tokens:
+                text = token_text(token_id)
+                content.append({
+                    "token": text, "logprob": _logprob(pairs[0][1]), "bytes": list(text.encode()),
+                    "top_logprobs": [_chat_alternative(token_text(alt), lp) for alt, lp in pairs[1:1 + top]],
+                })
+            return {"content": content}
+        texts, values, tops, offsets = [], [], [], []
+        for token_id, pairs in tokens:
+            text = token_text(token_id)
+            texts.append(text)
+            values.append(_logprob(pairs[0][1]))
+            tops.append({token_text(alt): _logprob(lp) for alt, lp in pairs[1:1 + top]} if top else None)
+            offsets.append(self.text_offset)
+            self.text_offset += len(text)
+        return {"tokens": texts, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chat_alternative(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode())}
+
+
+def _prompt_text(prompt, http) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    tokenizer = http.engine.tokenizer
+    return tokenizer.decode(prompt) if tokenizer is not None else ""
+
+
+def usage_of(request: ApiRequest, choices: list[Choice]) -> dict:
+    """Token counts: each prompt once (however many samples it had), every completion."""
+    prompt_tokens = sum(c.num_prompt_tokens for c in choices if c.index % request.n == 0)
+    completion_tokens = sum(c.num_tokens for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def chunk_event(request: ApiRequest, entries: list[dict], usage: dict | None = None) -> bytes:
+    """One server-sent event of a streamed answer."""
+    chunk = {"id": request.response_id,
+             "object": "chat.completion.chunk" if request.chat else "text_completion",
+             "created": request.created, "model": request.model, "choices": entries}
+    if request.include_usage:
+        chunk["usage"] = usage
+    return b"data: " + json.dumps(chunk, separators=(",", ":")).encode("utf-8") + b"\n\n"
+
+
+def completion_body(request: ApiRequest, choices: list[Choice], http) -> dict:
+    """A non-streamed answer."""
+    return {"id": request.response_id,
+            "object": "chat.completion" if request.chat else "text_completion",
+            "created": request.created, "model": request.model,
+            "choices": [choice.whole(request, http) for choice in choices],
+            "usage": usage_of(request, choices)}
+
