@@ -21,6 +21,7 @@ from cadence.statemachine.errors import ConfigError, QueueFullError
 from cadence.statemachine.sampling import SamplingParams
 from cadence.statemachine.stats import StatsSummary
 
+from .chat import ChatTemplate, encode_rendered
 from .engine import Engine, EngineConfig, open_engine
 from .request_actor import RequestResult
 from .trio_thread import TrioThread
@@ -113,6 +114,30 @@ class LLM:
                 raise ConfigError(f"{len(prompts)} prompts but {len(per_prompt)} SamplingParams")
         host, engine = self._engine()
         return host.run(self._generate, engine, prompts, per_prompt, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        **template_variables,
+    ) -> list[RequestResult]:
+        """Generate the assistant's turn of one conversation (a list of messages) or of
+        each of several, rendered with the model folder's chat template."""
+        template = ChatTemplate.for_model(self.config.model)
+        if template is None:
+            raise ConfigError(f"the model {self.config.model!r} has no chat template "
+                              "(chat_template.jinja or tokenizer_config.json's chat_template)")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        _, engine = self._engine()
+        if engine.tokenizer is None:
+            raise ConfigError(f"chat needs a tokenizer; the model {self.config.model!r} has none")
+        prompts = [encode_rendered(engine.tokenizer, template.render(
+            conversation, add_generation_prompt=add_generation_prompt, **template_variables))
+            for conversation in conversations]
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
 
     async def _generate(self, engine: Engine, prompts: list[Prompt], params: list[SamplingParams],
                         use_tqdm: bool) -> list[RequestResult]:
