@@ -224,28 +224,26 @@ class HttpServer:
 
     async def _serve_connection(self, exchange: _Exchange) -> None:
         limits = self.server.config
-        first = True
+        # A new connection must send its request promptly; a kept-alive one may idle.
+        timeout = limits.handshake_timeout_s
         while True:
-            # A new connection must send its request promptly; a kept-alive one may idle.
-            timeout = limits.handshake_timeout_s if first else (limits.idle_timeout_s or math.inf)
-            first = False
+            request = None
             try:
                 with trio.move_on_after(timeout):
                     event = await exchange.next_event()
                     if isinstance(event, h11.Request):
                         request = await self._read_request(exchange, event)
-                        if request is None:
-                            return
-                        await self._respond(exchange, *request)
-                    if not self._next_cycle(exchange):
-                        return
-                    continue
-                return  # timed out waiting for (the rest of) a request
             except h11.RemoteProtocolError as exc:
                 if exchange.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
                     await exchange.send_error(ApiError(exc.error_status_hint, f"bad HTTP request: {exc}"),
                                               close=True)
                 return
+            if request is None:  # timed out, closed, or answered 413
+                return
+            await self._respond(exchange, *request)
+            if not self._next_cycle(exchange):
+                return
+            timeout = limits.idle_timeout_s or math.inf
 
     def _next_cycle(self, exchange: _Exchange) -> bool:
         conn = exchange.conn

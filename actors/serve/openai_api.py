@@ -24,8 +24,7 @@ from cadence.statemachine.sampling import SamplingParams
 from ..chat import ChatTemplate, encode_rendered
 from ..engine import Engine, RequestStream
 from ..fields import (
-    check_bool, check_dict, check_finite_float, check_ids, check_int, check_list, check_str,
-    check_strs, kind,
+    check_bool, check_dict, check_finite_float, check_ids, check_int, check_str, check_strs, kind,
 )
 from ..wire import MAX_ID, MAX_TENANT_CHARS, ErrorCode
 from .server import _StreamState
@@ -200,9 +199,8 @@ def _completion_prompts(prompt: object) -> list:
     try:
         if all(type(item) is int for item in prompt):
             return [check_ids(prompt, "prompt")]
-        if all(isinstance(item, str) for item in prompt):
-            return list(check_strs(prompt, "prompt"))
-        return [check_ids(item, f"prompt[{i}]") for i, item in enumerate(check_list(prompt, "prompt"))]
+        return [item if isinstance(item, str) else check_ids(item, f"prompt[{i}]")
+                for i, item in enumerate(prompt)]
     except ProtocolError as exc:
         raise ApiError(400, str(exc), param="prompt") from None
 
