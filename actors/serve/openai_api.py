@@ -30,7 +30,7 @@ from ..wire import MAX_ID, MAX_TENANT_CHARS, ErrorCode
 from .server import _StreamState
 
 __all__ = ["ApiError", "ApiRequest", "Choice", "ChatTemplateSource", "parse_request", "status_of",
-           "usage_of", "chunk_event", "completion_body"]
+           "usage_of", "ChunkEncoder", "completion_body"]
 
 # OpenAI's default when a completion names no max_tokens.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -396,14 +396,26 @@ def usage_of(request: ApiRequest, choices: list[Choice]) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def chunk_event(request: ApiRequest, entries: list[dict], usage: dict | None = None) -> bytes:
-    """One server-sent event of a streamed answer."""
-    chunk = {"id": request.response_id,
-             "object": "chat.completion.chunk" if request.chat else "text_completion",
-             "created": request.created, "model": request.model, "choices": entries}
-    if request.include_usage:
-        chunk["usage"] = usage
-    return b"data: " + json.dumps(chunk, separators=(",", ":")).encode("utf-8") + b"\n\n"
+class ChunkEncoder:
+    """Server-sent events of one streamed answer; what every chunk repeats (id,
+    object, created, model) is encoded once."""
+
+    def __init__(self, request: ApiRequest) -> None:
+        head = json.dumps({"id": request.response_id,
+                           "object": "chat.completion.chunk" if request.chat else "text_completion",
+                           "created": request.created, "model": request.model},
+                          separators=(",", ":"))
+        self._prefix = b"data: " + head[:-1].encode("utf-8") + b',"choices":'
+        self._suffix = b',"usage":null}\n\n' if request.include_usage else b"}\n\n"
+
+    def event(self, entries: list[dict]) -> bytes:
+        """A chunk with these choice entries."""
+        return self._prefix + json.dumps(entries, separators=(",", ":")).encode("utf-8") + self._suffix
+
+    def usage_event(self, usage: dict) -> bytes:
+        """The last chunk when usage was asked for: no choices, the usage."""
+        return (self._prefix + b'[],"usage":' + json.dumps(usage, separators=(",", ":")).encode("utf-8")
+                + b"}\n\n")
 
 
 def completion_body(request: ApiRequest, choices: list[Choice], http) -> dict:
