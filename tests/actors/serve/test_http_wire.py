@@ -1,0 +1,210 @@
+"""The HTTP API at the HTTP level, on the simulated engine inside the test's Trio run:
+keep-alive, HTTP/1.0, pipelining, routes and methods, limits shared with the msgpack
+server, drain, and the expected tokens of the simulated executor."""
+
+from __future__ import annotations
+
+import json
+
+import h11
+import pytest
+import trio
+
+from cadence.actors.client import open_client
+from cadence.actors.serve.http import HttpConfig
+from cadence.actors.serve.openai_api import MAX_CHOICES
+from cadence.actors.serve.server import open_server
+
+from test_server_support import SLOW_STEP, WAIT_S, engine_config, server_config, settled
+
+
+class _HttpClient:
+    """A client speaking HTTP/1.1 through h11, for requests no SDK would send."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.conn = h11.Connection(h11.CLIENT)
+
+    async def request(self, method: str, path: str, body: object = None, headers=()) -> tuple[int, bytes]:
+        data = b"" if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+        head = [("host", "test"), ("content-length", str(len(data))), *headers]
+        await self.stream.send_all(
+            self.conn.send(h11.Request(method=method, target=path, headers=head))
+            + self.conn.send(h11.Data(data=data)) + self.conn.send(h11.EndOfMessage()))
+        status, chunks = None, []
+        with trio.fail_after(WAIT_S):
+            while True:
+                event = self.conn.next_event()
+                if event is h11.NEED_DATA:
+                    self.conn.receive_data(await self.stream.receive_some(1 << 16))
+                elif isinstance(event, h11.Response):
+                    status = event.status_code
+                elif isinstance(event, h11.Data):
+                    chunks.append(event.data)
+                elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+                    break
+        if self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE:
+            self.conn.start_next_cycle()
+        return status, b"".join(chunks)
+
+
+async def _connect(server) -> _HttpClient:
+    return _HttpClient(await trio.open_tcp_stream(*server.http.address))
+
+
+def _events(body: bytes) -> list:
+    """The JSON of each server-sent event ([DONE] as None)."""
+    out = []
+    for block in body.split(b"\n\n"):
+        if block:
+            assert block.startswith(b"data: ")
+            data = block[len(b"data: "):]
+            out.append(None if data == b"[DONE]" else json.loads(data))
+    return out
+
+
+async def test_a_kept_alive_connection_serves_requests_one_after_another():
+    async with open_server(engine_config(), server_config(), http=HttpConfig(port=0)) as server:
+        client = await _connect(server)
+        first = await client.request("POST", "/v1/completions",
+                                     {"prompt": [5, 6, 7], "max_tokens": 5, "ignore_eos": True})
+        streamed = await client.request("POST", "/v1/completions",
+                                        {"prompt": [5, 6, 7], "max_tokens": 5, "ignore_eos": True,
+                                         "stream": True})
+        assert first[0] == streamed[0] == 200
+        whole = json.loads(first[1])
+        events = _events(streamed[1])
+        assert events[-1] is None
+        # The simulated executor's tokens depend on the request id: each answer has its own.
+        assert len(whole["choices"][0]["text"]) == 5
+        assert len("".join(e["choices"][0]["text"] for e in events[:-1])) == 5
+        await client.stream.aclose()
+        await settled(server)
+
+
+async def test_http_1_0_gets_a_close_delimited_stream():
+    async with open_server(engine_config(), server_config(), http=HttpConfig(port=0)) as server:
+        stream = await trio.open_tcp_stream(*server.http.address)
+        body = json.dumps({"prompt": "ab", "max_tokens": 3, "stream": True}).encode()
+        await stream.send_all(b"POST /v1/completions HTTP/1.0\r\ncontent-length: "
+                              + str(len(body)).encode() + b"\r\n\r\n" + body)
+        received = b""
+        with trio.fail_after(WAIT_S):
+            while data := await stream.receive_some(1 << 16):
+                received += data
+        head, _, payload = received.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 ") and b"chunked" not in head.lower()
+        assert _events(payload)[-1] is None
+        await settled(server)
+
+
+async def test_routes_methods_and_malformed_bodies():
+    async with open_server(engine_config(), server_config(), http=HttpConfig(port=0)) as server:
+        client = await _connect(server)
+        status, body = await client.request("GET", "/v1/completions")
+        assert status == 405
+        status, body = await client.request("GET", "/nowhere")
+        assert status == 404 and json.loads(body)["error"]["code"] == "not_found"
+        status, body = await client.request("POST", "/v1/completions", b"{not json")
+        assert status == 400 and "not JSON" in json.loads(body)["error"]["message"]
+        status, body = await client.request("POST", "/v1/completions", {"prompt": ["a", 3]})
+        assert status == 400 and json.loads(body)["error"]["param"] == "prompt"
+        status, body = await client.request(
+            "POST", "/v1/completions", {"prompt": "a", "n": MAX_CHOICES + 1})
+        assert status == 400 and json.loads(body)["error"]["param"] == "n"
+        status, body = await client.request(
+            "POST", "/v1/completions", {"prompt": "a", "response_format": {"type": "json_object"}})
+        assert status == 400 and "not supported" in json.loads(body)["error"]["message"]
+        status, body = await client.request("POST", "/v1/completions",
+                                            {"prompt": [1] * 9000, "max_tokens": 1})
+        error = json.loads(body)["error"]
+        assert status == 400 and error["code"] == "request_too_long" and error["param"] == "prompt"
+        status, body = await client.request("POST", "/v1/chat/completions",
+                                            {"messages": [{"role": "user", "content": "x"}]})
+        assert status == 400 and "no chat template" in json.loads(body)["error"]["message"]
+        await client.stream.aclose()
+        await settled(server)
+
+
+async def test_the_tenant_limit_counts_msgpack_and_http_streams_together():
+    config = server_config(max_inflight_per_tenant=1)
+    async with open_server(engine_config(SLOW_STEP), config, http=HttpConfig(port=0)) as server:
+        async with open_client(server.tcp_address) as msgpack_client:
+            stream = await msgpack_client.generate([1, 2], max_tokens=1000, ignore_eos=True, tenant="t")
+            client = await _connect(server)
+            status, body = await client.request("POST", "/v1/completions",
+                                                {"prompt": [1], "max_tokens": 2, "tenant": "t"})
+            assert status == 429 and json.loads(body)["error"]["code"] == "tenant_limit"
+            status, _ = await client.request("POST", "/v1/completions",
+                                             {"prompt": [1], "max_tokens": 2, "tenant": "u"})
+            assert status == 200
+            await stream.abort()
+            await client.stream.aclose()
+        await settled(server)
+
+
+async def test_draining_answers_503_and_health_says_so():
+    async with open_server(engine_config(SLOW_STEP), server_config(shutdown_grace_s=WAIT_S),
+                           http=HttpConfig(port=0)) as server:
+        client = await _connect(server)
+        status, body = await client.request("GET", "/health")
+        assert status == 200 and json.loads(body)["status"] == "ok"
+        async with open_client(server.tcp_address) as msgpack_client:
+            stream = await msgpack_client.generate([1, 2], max_tokens=1000, ignore_eos=True)
+            server.shutdown()  # drains while the msgpack stream runs
+            status, body = await client.request("GET", "/health")
+            assert status == 503 and json.loads(body)["status"] == "draining"
+            status, body = await client.request("POST", "/v1/completions", {"prompt": [1]})
+            assert status == 503 and json.loads(body)["error"]["code"] == "shutdown"
+            await stream.abort()
+        await client.stream.aclose()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_api_key_guards_v1_but_not_health(stream):
+    http = HttpConfig(port=0, api_key="secret")
+    async with open_server(engine_config(), server_config(), http=http) as server:
+        client = await _connect(server)
+        body = {"prompt": [1], "max_tokens": 2, "stream": stream}
+        status, reply = await client.request("POST", "/v1/completions", body)
+        assert status == 401 and json.loads(reply)["error"]["code"] == "invalid_api_key"
+        status, _ = await client.request("POST", "/v1/completions", body,
+                                         headers=[("authorization", "Bearer secrets")])
+        assert status == 401
+        status, _ = await client.request("POST", "/v1/completions", body,
+                                         headers=[("authorization", "Bearer secret")])
+        assert status == 200
+        status, _ = await client.request("GET", "/health")
+        assert status == 200
+        await client.stream.aclose()
+        await settled(server)
+
+
+async def test_pipelined_requests_are_answered_in_order():
+    async with open_server(engine_config(SLOW_STEP), server_config(), http=HttpConfig(port=0)) as server:
+        stream = await trio.open_tcp_stream(*server.http.address)
+        requests = b""
+        for max_tokens in (4, 2):
+            body = json.dumps({"prompt": [1], "max_tokens": max_tokens, "ignore_eos": True}).encode()
+            requests += (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: "
+                         + str(len(body)).encode() + b"\r\n\r\n" + body)
+        await stream.send_all(requests)  # the second arrives while the first is answered
+        conn = h11.Connection(h11.CLIENT)
+        conn.send(h11.Request(method="POST", target="/", headers=[("host", "x"), ("content-length", "0")]))
+        conn.send(h11.EndOfMessage())
+        answers = []
+        with trio.fail_after(WAIT_S):
+            while len(answers) < 2:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    conn.receive_data(await stream.receive_some(1 << 16))
+                elif isinstance(event, h11.Data):
+                    answers.append(json.loads(event.data)["usage"]["completion_tokens"])
+                elif isinstance(event, h11.EndOfMessage):
+                    conn.start_next_cycle()
+                    conn.send(h11.Request(method="POST", target="/",
+                                          headers=[("host", "x"), ("content-length", "0")]))
+                    conn.send(h11.EndOfMessage())
+        assert answers == [4, 2]
+        await stream.aclose()
+        await settled(server)
