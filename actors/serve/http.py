@@ -379,7 +379,9 @@ class HttpServer:
         request = parse_request(payload, chat, self)
         choices = self._admit(request)
         # Cancelled when the client goes away: every choice's stream is then
-        # abandoned mid-iteration, which aborts its request.
+        # abandoned mid-iteration, which aborts its request. What ends the answer
+        # is raised after the nursery, never through it (no exception group).
+        ending: ApiError | _ClientGone | None = None
         with trio.CancelScope() as scope:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(exchange.watch_for_disconnect, scope)
@@ -391,11 +393,15 @@ class HttpServer:
                         await self._run_choices(choices, None)
                         _raise_first_error(choices, self.server.draining)
                         await exchange.send_json(200, completion_body(request, choices, self))
+                except (ApiError, _ClientGone) as exc:
+                    ending = exc
                 finally:
                     nursery.cancel_scope.cancel()
                     with trio.CancelScope(shield=True):
                         for choice in choices:
                             await self._release(choice)
+        if ending is not None:
+            raise ending
 
     def _admit(self, request: ApiRequest) -> list[Choice]:
         """Check the shared limits and take the request's places in the in-flight counts."""
