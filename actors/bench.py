@@ -37,6 +37,8 @@ from cadence.statemachine.sampling import SamplingParams
 from .client import AsyncClient, open_client
 from .engine import Engine, open_engine
 from .engine_args import add_engine_arguments, engine_config_from_args
+from .serve.http import DEFAULT_HTTP_PORT
+from .serve.http_client import HttpApiClient, HttpApiError
 from .wire import DEFAULT_PORT
 
 __all__ = [
@@ -205,6 +207,27 @@ class _ServerTarget:
 
     async def sample(self) -> dict[str, Any]:
         return await self.stats_client.stats()
+
+
+class _HttpTarget:
+    """Requests streamed from the OpenAI HTTP API, one kept-alive connection per
+    request in flight; token counts come from the `return_token_ids` extension."""
+
+    def __init__(self, client, model: dict) -> None:
+        self.client = client
+        self.vocab_size = model["vocab_size"]
+        self.model = model["id"]
+
+    async def stream(self, request: BenchRequest) -> AsyncIterator[int]:
+        body = {"model": self.model, "prompt": request.prompt_token_ids, "stream": True,
+                "max_tokens": request.max_tokens, "ignore_eos": True, "priority": request.priority,
+                "return_token_ids": True}
+        try:
+            async for data in self.client.stream("/v1/completions", body):
+                choices = json.loads(data)["choices"]
+                yield len(choices[0]["token_ids"]) if choices else 0
+        except OSError as exc:
+            raise HttpApiError(f"the connection failed: {exc}") from None
 
 
 class _EngineTarget:
@@ -443,7 +466,12 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         help="run an engine in this process (engine options below) instead of "
                              "connecting to a server")
     target.add_argument("--host", default="127.0.0.1")
-    target.add_argument("--port", type=int, default=DEFAULT_PORT)
+    target.add_argument("--port", type=int, default=None,
+                        help=f"the server's port (default: {DEFAULT_PORT}, or {DEFAULT_HTTP_PORT} with --http)")
+    target.add_argument("--http", action="store_true",
+                        help="drive the server's OpenAI HTTP API instead of the msgpack protocol")
+    target.add_argument("--api-key", default=None,
+                        help="with --http: the server's API key (also from CADENCE_API_KEY)")
     target.add_argument("--unix", metavar="PATH", default=None, help="connect to this Unix socket")
     target.add_argument("--token-file", metavar="PATH", default=None,
                         help="the server's shared token (also from CADENCE_TOKEN)")
@@ -504,6 +532,9 @@ def run_bench(args: argparse.Namespace) -> int:
     2 for a mistake in the options (one line on stderr)."""
     try:
         percentiles = _percentiles(args.percentiles)
+        if args.http and (args.plot is not None or args.unix or args.embedded):
+            raise ConfigError("--http drives a server's HTTP port: it goes with neither --plot, "
+                              "--unix nor --embedded")
         if args.plot is not None:
             _require_matplotlib()  # fail before the run, not after it
         if not args.request_rate > 0:
@@ -544,13 +575,19 @@ async def _bench(args: argparse.Namespace, requests: list[BenchRequest],
                 _note_folded(folded, target.vocab_size)
                 timings, samples, duration = await run_benchmark(target, requests, **options)
             name = f"embedded {args.model}"
+        elif args.http:
+            port = args.port if args.port is not None else DEFAULT_HTTP_PORT
+            timings, samples, duration = await _bench_http(args.host, port, args.api_key, requests,
+                                                           options)
+            name = f"http://{args.host}:{port}"
         else:
-            address = f"unix:{args.unix}" if args.unix else (args.host, args.port)
+            port = args.port if args.port is not None else DEFAULT_PORT
+            address = f"unix:{args.unix}" if args.unix else (args.host, port)
             concurrency = min(len(requests), args.max_concurrency or len(requests))
             num_connections = args.connections or max(1, math.ceil(concurrency / _STREAMS_PER_CONNECTION))
             timings, samples, duration = await _bench_server(
                 address, _token(args), num_connections, requests, options)
-            name = f"unix:{args.unix}" if args.unix else f"{args.host}:{args.port}"
+            name = f"unix:{args.unix}" if args.unix else f"{args.host}:{port}"
     finally:
         if bar is not None:
             bar.close()
@@ -582,6 +619,19 @@ async def _bench_server(address, token: str | None, num_connections: int,
             result = await run_benchmark(target, requests, **options)
             nursery.cancel_scope.cancel()
     return result
+
+
+async def _bench_http(host: str, port: int, api_key: str | None, requests: list[BenchRequest],
+                      options: dict):
+    client = HttpApiClient(host, port, api_key or os.environ.get("CADENCE_API_KEY") or None)
+    try:
+        [model] = (await client.get("/v1/models"))["data"]
+        target = _HttpTarget(client, model)
+        requests, folded = _fit_vocab(requests, target.vocab_size)
+        _note_folded(folded, target.vocab_size)
+        return await run_benchmark(target, requests, **options)
+    finally:
+        await client.aclose()
 
 
 def _note_folded(folded: bool, vocab_size: int) -> None:

@@ -14,8 +14,9 @@ it (a delta of k tokens counts k gaps of 1/k of its wait), and the server
 process's CPU time per token (from /proc); per count, one JSON line with both
 phases and the HTTP/msgpack ratios. The clients run in this process and share
 the machine's cores with the server, so tokens/s also carries client costs;
-the CPU time per token is the server's alone. The HTTP client is a minimal
-HTTP/1.1 server-sent-events reader, so neither side pays for a heavy client.
+the CPU time per token is the server's alone. The HTTP client is the small
+server-sent-events reader of `cadence bench --http`, and it counts tokens
+without decoding whole events, so neither side pays for a heavy client.
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ import time
 import trio
 
 from cadence.actors.client import open_client
+from cadence.actors.serve.http_client import HttpApiError, SseConnection
 
 _PROMPT = [1, 2, 3, 4]
 # Seconds a phase's connections may take to open before the clock starts.
 _CONNECT_TIMEOUT_S = 120.0
-_READ_BYTES = 1 << 16
 
 
 def _start_server(num_streams: int, sim_step_us: float) -> tuple[subprocess.Popen, tuple, tuple]:
@@ -91,59 +92,6 @@ async def _msgpack_stream(address, max_tokens: int, tally: _Tally, ready, deadli
                     previous = now
 
 
-class _SseConnection:
-    """A kept-alive HTTP/1.1 connection reading chunked server-sent events."""
-
-    def __init__(self, stream: trio.SocketStream, host: str) -> None:
-        self.stream = stream
-        self.host = host
-        self.buffer = bytearray()
-
-    async def _fill(self) -> None:
-        data = await self.stream.receive_some(_READ_BYTES)
-        if not data:
-            raise ConnectionError("the server closed the connection")
-        self.buffer += data
-
-    async def _line(self) -> bytes:
-        while (end := self.buffer.find(b"\r\n")) < 0:
-            await self._fill()
-        line = bytes(self.buffer[:end])
-        del self.buffer[:end + 2]
-        return line
-
-    async def _exactly(self, size: int) -> bytes:
-        while len(self.buffer) < size:
-            await self._fill()
-        data = bytes(self.buffer[:size])
-        del self.buffer[:size]
-        return data
-
-    async def events(self, body: bytes):
-        """Send a streaming completion request; yield each event's JSON (None for [DONE])."""
-        await self.stream.send_all(
-            b"POST /v1/completions HTTP/1.1\r\nhost: " + self.host.encode()
-            + b"\r\ncontent-type: application/json\r\ncontent-length: " + str(len(body)).encode()
-            + b"\r\n\r\n" + body)
-        status = await self._line()
-        if b" 200 " not in status:
-            raise ConnectionError(f"HTTP error: {status!r}")
-        while await self._line():
-            pass  # headers: the server always streams chunked
-        pending = b""
-        while True:
-            size = int(await self._line(), 16)
-            if size == 0:
-                await self._line()
-                return
-            pending += await self._exactly(size)
-            await self._exactly(2)
-            *events, pending = pending.split(b"\n\n")
-            for event in events:
-                data = event[len(b"data: "):]
-                yield None if data == b"[DONE]" else data
-
-
 _TEXT = re.compile(rb'"text":"((?:[^"\\]|\\.)*)"')
 
 
@@ -157,16 +105,13 @@ def _num_tokens(event: bytes) -> int:
 async def _http_stream(address, max_tokens: int, tally: _Tally, ready, deadline) -> None:
     host, port = address
     stream = await trio.open_tcp_stream(host, port)
-    connection = _SseConnection(stream, host)
-    body = json.dumps({"prompt": _PROMPT, "max_tokens": max_tokens, "ignore_eos": True,
-                       "stream": True}).encode()
+    connection = SseConnection(stream, host)
+    body = {"prompt": _PROMPT, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     try:
         await ready()
         while trio.current_time() < deadline():
             previous = None
-            async for event in connection.events(body):
-                if event is None:
-                    continue
+            async for event in connection.events("/v1/completions", body):
                 num_tokens = _num_tokens(event)
                 if num_tokens:
                     now = trio.current_time()
@@ -196,7 +141,7 @@ async def _phase(kind: str, address, num_streams: int, max_tokens: int, duration
         run = _msgpack_stream if kind == "msgpack" else _http_stream
         try:
             await run(address, max_tokens, tally, ready, lambda: clock["deadline"])
-        except (OSError, ConnectionError, trio.BrokenResourceError):
+        except (OSError, HttpApiError, trio.BrokenResourceError):
             tally.errors += 1
 
     async with trio.open_nursery() as nursery:

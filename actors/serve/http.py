@@ -350,6 +350,7 @@ class HttpServer:
         return {"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self._created, "owned_by": "cadence",
             "root": self.engine.config.model, "max_model_len": self.engine.core.config.max_model_len,
+            "vocab_size": self.engine.vocab_size,
         }]}
 
     async def _health(self, exchange: _Exchange) -> None:

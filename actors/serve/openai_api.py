@@ -55,7 +55,7 @@ _SAMPLING_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "freque
 _COMMON_FIELDS = frozenset({
     "model", "stream", "stream_options", "max_tokens", "n", "stop", "seed", "logprobs", "user",
     "top_k", "priority", "tenant", "deadline_s", "min_tokens", "ignore_eos", "stop_token_ids",
-    "include_stop_str_in_output", "best_of", *_SAMPLING_FLOATS})
+    "include_stop_str_in_output", "best_of", "return_token_ids", *_SAMPLING_FLOATS})
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs",
                                  "add_generation_prompt", "chat_template_kwargs"}
@@ -123,6 +123,8 @@ class ApiRequest:
     priority: int = 0
     tenant: str = "default"
     deadline_s: float | None = None
+    # Cadence's extension: each choice (and chunk) carries its token ids too.
+    return_token_ids: bool = False
 
     def params_for(self, sample: int) -> SamplingParams:
         """The parameters of the `sample`-th of n choices: seeded choices differ."""
@@ -186,7 +188,8 @@ def parse_request(body: object, chat: bool, http) -> ApiRequest:
         stream=stream, include_usage=stream and include_usage, echo=echo, logprobs=logprobs,
         priority=_field(body, "priority", check_int, -MAX_ID - 1, MAX_ID) or 0,
         tenant=tenant if tenant is not None else "default",
-        deadline_s=_field(body, "deadline_s", check_finite_float))
+        deadline_s=_field(body, "deadline_s", check_finite_float),
+        return_token_ids=bool(_field(body, "return_token_ids", check_bool)))
 
 
 def _completion_prompts(prompt: object) -> list:
@@ -296,6 +299,7 @@ class Choice:
     num_prompt_tokens: int = 0
     num_tokens: int = 0
     texts: list = attrs.Factory(list)
+    token_ids: list = attrs.Factory(list)
     logprobs: list = attrs.Factory(list)  # (token id, pairs) per generated token
     finish_reason: str | None = None
     error: Exception | None = None
@@ -305,6 +309,7 @@ class Choice:
         """Take one engine delta."""
         if out.text:
             self.texts.append(out.text)
+        self.token_ids.extend(out.token_ids)
         if out.logprobs is not None:
             self.logprobs.extend(zip(out.token_ids, out.logprobs))
         self.num_tokens = out.num_tokens
@@ -337,6 +342,8 @@ class Choice:
         else:
             entry = {"index": self.index, "text": text, "logprobs": logprobs,
                      "finish_reason": out.finish_reason}
+        if request.return_token_ids:
+            entry["token_ids"] = out.token_ids
         return entry
 
     def whole(self, request: ApiRequest, http) -> dict:
@@ -348,12 +355,16 @@ class Choice:
                 self.text_offset = len(_prompt_text(request.prompts[self.prompt_index], http))
             logprobs = self._render_logprobs(request, self.logprobs, http.token_text)
         if request.chat:
-            return {"index": self.index, "message": {"role": "assistant", "content": text},
-                    "logprobs": logprobs, "finish_reason": self.finish_reason}
-        if request.echo:
-            text = _prompt_text(request.prompts[self.prompt_index], http) + text
-        return {"index": self.index, "text": text, "logprobs": logprobs,
-                "finish_reason": self.finish_reason}
+            whole = {"index": self.index, "message": {"role": "assistant", "content": text},
+                     "logprobs": logprobs, "finish_reason": self.finish_reason}
+        else:
+            if request.echo:
+                text = _prompt_text(request.prompts[self.prompt_index], http) + text
+            whole = {"index": self.index, "text": text, "logprobs": logprobs,
+                     "finish_reason": self.finish_reason}
+        if request.return_token_ids:
+            whole["token_ids"] = self.token_ids
+        return whole
 
     def _render_logprobs(self, request: ApiRequest, tokens: list, token_text) -> dict:
         top = request.logprobs
