@@ -391,7 +391,7 @@ class HttpServer:
                     if request.stream:
                         await self._stream(exchange, request, choices, scope)
                     else:
-                        await self._run_choices(choices, None)
+                        await self._run_choices(request, choices, None)
                         _raise_first_error(choices, self.server.draining)
                         await exchange.send_json(200, completion_body(request, choices, self))
                 except (ApiError, _ClientGone) as exc:
@@ -418,8 +418,10 @@ class HttpServer:
                                 f"{server.tenant_inflight[request.tenant]} live streams and asks for "
                                 f"{num_choices}; max_inflight_per_tenant is {per_tenant}",
                            code="tenant_limit")
-        choices = []
+        choices: list[Choice] = []
+        share_prompt = request.n > 1 and self.engine.core.blocks.enable_prefix_caching
         for prompt_index, prompt in enumerate(request.prompts):
+            leader = None
             for sample in range(request.n):
                 self._num_requests += 1
                 request_id = f"h{self._num_requests}"
@@ -429,26 +431,48 @@ class HttpServer:
                 state = _StreamState(len(choices), request.tenant, request_id)
                 server.num_inflight += 1
                 server.tenant_inflight[request.tenant] += 1
-                choices.append(Choice(len(choices), prompt_index, stream, state))
+                choice = Choice(len(choices), prompt_index, stream, state,
+                                leader=leader if share_prompt else None)
+                leader = leader or choice
+                choices.append(choice)
         return choices
 
     def _reject(self, code: str) -> None:
         self.server.metrics.on_rejected(code)
 
     async def _start(self, request: ApiRequest, choices: list[Choice]) -> None:
-        """Submit every choice together; a refusal becomes the response's error."""
+        """Submit the choices together (with n > 1 and prefix caching, only each
+        prompt's first sample: see `_follow`); a refusal becomes the response's error."""
+        leaders = [c for c in choices if c.leader is None]
         try:
-            for choice in choices:
+            for choice in leaders:
                 choice.stream.enqueue()
-            for choice in choices:
-                await choice.stream.start()
-                choice.started = True
-                choice.num_prompt_tokens = self._num_prompt_tokens(request.prompts[choice.prompt_index], choice)
-                self.server.metrics.on_accepted(choice.num_prompt_tokens)
+            for choice in leaders:
+                await self._admitted(request, choice)
         except CadenceError as exc:
             code = _engine_error_code(exc, self.server.draining)
             self._reject(code.value)
             raise _api_error(exc, self.server.draining) from None
+
+    async def _admitted(self, request: ApiRequest, choice: Choice) -> None:
+        await choice.stream.start()
+        choice.started = True
+        choice.num_prompt_tokens = self._num_prompt_tokens(request.prompts[choice.prompt_index], choice)
+        self.server.metrics.on_accepted(choice.num_prompt_tokens)
+
+    async def _follow(self, request: ApiRequest, choice: Choice) -> bool:
+        """Start a later sample of a prompt once the first has computed the prompt:
+        its full blocks are then in the prefix cache, and every later sample shares
+        them (the block manager counts their references) instead of computing them
+        again. False (with the error on the choice) if it is refused."""
+        await choice.leader.prefilled.wait()
+        try:
+            await self._admitted(request, choice)
+        except CadenceError as exc:
+            self._reject(_engine_error_code(exc, self.server.draining).value)
+            choice.error = exc
+            return False
+        return True
 
     def _num_prompt_tokens(self, prompt, choice: Choice) -> int:
         actor = self.engine.scheduler.actors.get(choice.state.request_id)
@@ -464,13 +488,16 @@ class HttpServer:
             choice.released = True
             self.server.stream_finished(choice.state)
 
-    async def _relay(self, choice: Choice, emit: Callable | None) -> None:
+    async def _relay(self, request: ApiRequest, choice: Choice, emit: Callable | None) -> None:
         """Iterate one choice's stream, recording metrics and (streaming) emitting
         deltas; an engine error is kept on the choice."""
+        if choice.leader is not None and not await self._follow(request, choice):
+            return
         metrics = self.server.metrics
         previous_s = None
         try:
             async for out in choice.stream:
+                choice.prefilled.set()
                 if out.token_ids:
                     metrics.on_tokens(len(out.token_ids), out.first_token_s, out.arrival_s,
                                       previous_s, out.now_s)
@@ -482,14 +509,17 @@ class HttpServer:
                     await emit(choice, out)
         except CadenceError as exc:
             choice.error = exc
+        finally:
+            choice.prefilled.set()  # followers go on even if this sample failed
 
-    async def _run_choices(self, choices: list[Choice], emit: Callable | None) -> None:
+    async def _run_choices(self, request: ApiRequest, choices: list[Choice],
+                           emit: Callable | None) -> None:
         if len(choices) == 1:
-            await self._relay(choices[0], emit)
+            await self._relay(request, choices[0], emit)
             return
         async with trio.open_nursery() as nursery:
             for choice in choices:
-                nursery.start_soon(self._relay, choice, emit)
+                nursery.start_soon(self._relay, request, choice, emit)
 
     async def _stream(self, exchange: _Exchange, request: ApiRequest, choices: list[Choice],
                       scope: trio.CancelScope) -> None:
@@ -519,7 +549,7 @@ class HttpServer:
             except _ClientGone:
                 scope.cancel()
 
-        await self._run_choices(choices, emit)
+        await self._run_choices(request, choices, emit)
         tail = []
         for choice in choices:
             if choice.error is not None:

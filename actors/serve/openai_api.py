@@ -17,6 +17,7 @@ import uuid
 from typing import Any, Callable
 
 import attrs
+import trio
 
 from cadence.statemachine.errors import InvalidRequestError, ProtocolError
 from cadence.statemachine.sampling import SamplingParams
@@ -304,6 +305,10 @@ class Choice:
     finish_reason: str | None = None
     error: Exception | None = None
     text_offset: int = 0
+    # With n > 1: the prompt's first sample, started before this one (None: this is it).
+    leader: Choice | None = None
+    # Set once this sample's prompt is computed (its first output) or it ended.
+    prefilled: trio.Event = attrs.Factory(trio.Event)
 
     def add(self, out) -> None:
         """Take one engine delta."""

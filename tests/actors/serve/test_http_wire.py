@@ -208,3 +208,30 @@ async def test_pipelined_requests_are_answered_in_order():
         assert answers == [4, 2]
         await stream.aclose()
         await settled(server)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_n_samples_share_their_prompts_computed_blocks(stream):
+    block_size, prompt = 16, list(range(1, 41))
+    async with open_server(engine_config(block_size=block_size), server_config(),
+                           http=HttpConfig(port=0)) as server:
+        client = await _connect(server)
+        before = server.engine.stats().num_prefix_hit_tokens
+        status, body = await client.request("POST", "/v1/completions", {
+            "prompt": prompt, "n": 4, "max_tokens": 6, "ignore_eos": True, "stream": stream,
+            "stream_options": {"include_usage": True} if stream else None})
+        assert status == 200
+        answer = _events(body)[-2] if stream else json.loads(body)
+        assert answer["usage"] == {"prompt_tokens": 40, "completion_tokens": 24, "total_tokens": 64}
+        # The first sample computes the prompt; the three others find its full blocks cached
+        # (all but the block holding the last prompt token, which each computes itself).
+        shared = block_size * ((len(prompt) - 1) // block_size)
+        assert server.engine.stats().num_prefix_hit_tokens - before == 3 * shared
+        if stream:
+            texts = {}
+            for event in _events(body)[:-2]:
+                for choice in event["choices"]:
+                    texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+            assert sorted(texts) == [0, 1, 2, 3] and all(len(t) == 6 for t in texts.values())
+        await client.stream.aclose()
+        await settled(server)
