@@ -25,7 +25,8 @@ import attrs
 
 from cadence.statemachine.errors import ConfigError, InvalidRequestError
 
-__all__ = ["CHAT_TEMPLATE_FILE", "ChatTemplate", "ChatTemplateError", "check_messages", "encode_rendered"]
+__all__ = ["CHAT_TEMPLATE_FILE", "ChatTemplate", "ChatTemplateError", "EngineChat", "check_messages",
+           "encode_rendered"]
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -176,3 +177,36 @@ def encode_rendered(tokenizer, text: str) -> list[int]:
         return list(tokenizer.encode(text, add_special_tokens=False))
     except TypeError:  # a tokenizer that never adds any (the byte tokenizer)
         return list(tokenizer.encode(text))
+
+
+class EngineChat:
+    """Chat prompts for one engine's model: its template, loaded on first use, and
+    its tokenizer. Shared by the HTTP API, the msgpack server and `LLM.chat`."""
+
+    def __init__(self, model: str, tokenizer) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self._loaded = False
+        self._template: ChatTemplate | None = None
+
+    @property
+    def template(self) -> ChatTemplate | None:
+        """The model's template (None when it has none)."""
+        if not self._loaded:
+            self._template = ChatTemplate.for_model(self.model)
+            self._loaded = True
+        return self._template
+
+    def prompt_ids(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+                   **variables: Any) -> list[int]:
+        """The token ids of a conversation's prompt; raises ChatTemplateError when the
+        model has no template or tokenizer, or the template refuses the conversation."""
+        template = self.template
+        if template is None:
+            raise ChatTemplateError(
+                f"the model {self.model!r} has no chat template (chat_template.jinja or "
+                "tokenizer_config.json's chat_template); send a prompt instead")
+        if self.tokenizer is None:
+            raise ChatTemplateError(f"chat needs a tokenizer; the model {self.model!r} has none")
+        text = template.render(messages, add_generation_prompt=add_generation_prompt, **variables)
+        return encode_rendered(self.tokenizer, text)

@@ -21,7 +21,7 @@ from cadence.statemachine.errors import ConfigError, QueueFullError
 from cadence.statemachine.sampling import SamplingParams
 from cadence.statemachine.stats import StatsSummary
 
-from .chat import ChatTemplate, encode_rendered
+from .chat import EngineChat
 from .engine import Engine, EngineConfig, open_engine
 from .request_actor import RequestResult
 from .trio_thread import TrioThread
@@ -126,17 +126,11 @@ class LLM:
     ) -> list[RequestResult]:
         """Generate the assistant's turn of one conversation (a list of messages) or of
         each of several, rendered with the model folder's chat template."""
-        template = ChatTemplate.for_model(self.config.model)
-        if template is None:
-            raise ConfigError(f"the model {self.config.model!r} has no chat template "
-                              "(chat_template.jinja or tokenizer_config.json's chat_template)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         _, engine = self._engine()
-        if engine.tokenizer is None:
-            raise ConfigError(f"chat needs a tokenizer; the model {self.config.model!r} has none")
-        prompts = [encode_rendered(engine.tokenizer, template.render(
-            conversation, add_generation_prompt=add_generation_prompt, **template_variables))
-            for conversation in conversations]
+        chat = EngineChat(self.config.model, engine.tokenizer)
+        prompts = [chat.prompt_ids(conversation, add_generation_prompt=add_generation_prompt,
+                                   **template_variables) for conversation in conversations]
         return self.generate(prompts, params, use_tqdm=use_tqdm)
 
     async def _generate(self, engine: Engine, prompts: list[Prompt], params: list[SamplingParams],

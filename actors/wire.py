@@ -204,6 +204,13 @@ def _sampling_values(value: object, path: str) -> dict[str, Any]:
     return fields
 
 
+def _chat_messages(value: object, path: str) -> list:
+    """A conversation: an array of maps, each with a str `role`."""
+    for index, message in enumerate(_list(value, path)):
+        _str(_dict(message, f"{path}[{index}]").get("role"), f"{path}[{index}].role")
+    return value  # type: ignore[return-value]
+
+
 # ---------------------------------------------------------------------------
 # Client -> server.
 
@@ -236,33 +243,38 @@ class Generate:
     """Start one request on a new stream.
 
     stream: the client's id for it, unique among the connection's live streams.
-    prompt: text, or token ids. params: sampling parameters (any subset of
-    SamplingParams' fields). priority: lower runs first under priority policies.
+    prompt: text, or token ids; or, instead, `messages`: a conversation the
+    server renders with its model's chat template. params: sampling parameters
+    (any subset of SamplingParams' fields). priority: lower runs first under priority policies.
     tenant: who the request is accounted to (per-tenant limit, fair policy).
     deadline_s, timeout_s: seconds from arrival; see `Engine.generate`.
     """
 
     stream: int
-    prompt: str | list[int]
+    prompt: str | list[int] | None
     params: SamplingParams = attrs.field(factory=SamplingParams)
     priority: int = 0
     tenant: str = "default"
     deadline_s: float | None = None
     timeout_s: float | None = None
     cache_salt: str | None = None
+    messages: list[dict] | None = None
 
     TYPE: ClassVar[str] = "Generate"
-    _REQUIRED: ClassVar[frozenset] = frozenset({"stream", "prompt"})
+    _REQUIRED: ClassVar[frozenset] = frozenset({"stream"})
     _OPTIONAL: ClassVar[frozenset] = frozenset(
-        {"params", "priority", "tenant", "deadline_s", "timeout_s", "cache_salt"})
+        {"prompt", "messages", "params", "priority", "tenant", "deadline_s", "timeout_s", "cache_salt"})
 
     def to_wire(self) -> dict[str, Any]:
         """The msgpack payload map."""
-        return {
+        wire = {
             "stream": self.stream, "prompt": self.prompt, "params": sampling_to_wire(self.params),
             "priority": self.priority, "tenant": self.tenant, "deadline_s": self.deadline_s,
             "timeout_s": self.timeout_s, "cache_salt": self.cache_salt,
         }
+        if self.messages is not None:
+            wire["messages"] = self.messages
+        return wire
 
     @classmethod
     def from_wire(cls, payload: object) -> Generate:
@@ -271,8 +283,12 @@ class Generate:
         m = _fields(payload, "Generate", cls._REQUIRED, cls._OPTIONAL)
         stream = _int(m["stream"], "Generate.stream", 0, MAX_ID)
         try:
-            prompt = m["prompt"]
-            if type(prompt) is not str:
+            prompt, messages = m.get("prompt"), m.get("messages")
+            if (prompt is None) == (messages is None):
+                raise MessageError("Generate needs exactly one of prompt and messages")
+            if messages is not None:
+                _chat_messages(messages, "Generate.messages")
+            elif type(prompt) is not str:
                 if type(prompt) is not list:
                     raise _wrong("Generate.prompt", "str or array of int", prompt)
                 _ids(prompt, "Generate.prompt")
@@ -288,6 +304,7 @@ class Generate:
                 deadline_s=_optional(_float, m.get("deadline_s"), "Generate.deadline_s"),
                 timeout_s=_optional(_float, m.get("timeout_s"), "Generate.timeout_s"),
                 cache_salt=_optional(_str, m.get("cache_salt"), "Generate.cache_salt", 1024),
+                messages=messages,
             )
         except ProtocolError as exc:
             error = exc if isinstance(exc, MessageError) else MessageError(str(exc))

@@ -36,7 +36,7 @@ from cadence.statemachine.errors import CadenceError, ConfigError
 
 from ..wire import ErrorCode
 from .openai_api import (
-    ApiError, ApiRequest, ChatTemplateSource, Choice, ChunkEncoder, completion_body, parse_request,
+    ApiError, ApiRequest, Choice, ChunkEncoder, completion_body, parse_request,
     status_of, usage_of,
 )
 from .server import Server, _engine_error_code, _StreamState, tokens_match
@@ -193,7 +193,7 @@ class HttpServer:
         self.model_name = self.config.served_model_name or self.engine.config.model
         self.address: tuple[str, int] | None = None
         self.exchanges: set[_Exchange] = set()
-        self.chat_templates = ChatTemplateSource(self.engine)
+        self.chat = server.chat
         self.token_text = _token_text_function(self.engine.tokenizer)
         self._num_requests = 0
         self._created = int(time.time())

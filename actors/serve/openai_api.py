@@ -22,7 +22,6 @@ import trio
 from cadence.statemachine.errors import InvalidRequestError, ProtocolError
 from cadence.statemachine.sampling import SamplingParams
 
-from ..chat import ChatTemplate, encode_rendered
 from ..engine import Engine, RequestStream
 from ..fields import (
     check_bool, check_dict, check_finite_float, check_ids, check_int, check_str, check_strs, kind,
@@ -30,7 +29,7 @@ from ..fields import (
 from ..wire import MAX_ID, MAX_TENANT_CHARS, ErrorCode
 from .server import _StreamState
 
-__all__ = ["ApiError", "ApiRequest", "Choice", "ChatTemplateSource", "parse_request", "status_of",
+__all__ = ["ApiError", "ApiRequest", "Choice", "parse_request", "status_of",
            "usage_of", "ChunkEncoder", "completion_body"]
 
 # OpenAI's default when a completion names no max_tokens.
@@ -83,26 +82,6 @@ class ApiError(Exception):
 def status_of(code: ErrorCode) -> int:
     """The HTTP status of an engine refusal, by the msgpack server's error code."""
     return _STATUS_OF_CODE.get(code, 500)
-
-
-class ChatTemplateSource:
-    """The engine's model's chat template, loaded once when first needed."""
-
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
-        self._loaded = False
-        self._template: ChatTemplate | None = None
-
-    def get(self) -> ChatTemplate:
-        """The template; a 400 when the model has none."""
-        if not self._loaded:
-            self._template = ChatTemplate.for_model(self._engine.config.model)
-            self._loaded = True
-        if self._template is None:
-            raise ApiError(400, f"the model {self._engine.config.model!r} has no chat template "
-                                "(chat_template.jinja or tokenizer_config.json's chat_template); "
-                                "use /v1/completions", param="messages")
-        return self._template
 
 
 @attrs.frozen
@@ -211,19 +190,14 @@ def _completion_prompts(prompt: object) -> list:
 
 def _chat_prompt(body: dict, http) -> list[int]:
     """A chat's messages rendered with the model's template, as token ids."""
-    messages = body.get("messages")
     add_generation_prompt = _field(body, "add_generation_prompt", check_bool)
     variables = _field(body, "chat_template_kwargs", check_dict) or {}
-    template = http.chat_templates.get()
     try:
-        text = template.render(messages, add_generation_prompt=add_generation_prompt is not False,
-                               **variables)
+        return http.chat.prompt_ids(body.get("messages"),
+                                    add_generation_prompt=add_generation_prompt is not False,
+                                    **variables)
     except InvalidRequestError as exc:
         raise ApiError(400, str(exc), param="messages") from None
-    tokenizer = http.engine.tokenizer
-    if tokenizer is None:
-        raise ApiError(400, "chat needs a tokenizer; this engine has none", param="messages")
-    return encode_rendered(tokenizer, text)
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

@@ -47,6 +47,7 @@ from cadence.statemachine.errors import (
     QueueFullError, RequestNotFoundError, RequestTooLongError,
 )
 
+from ..chat import EngineChat
 from ..engine import Engine, EngineConfig, RequestStream, open_engine
 from ..framing import MAX_FRAME_BYTES
 from .metrics import NullMetrics, ServerMetrics, serve_metrics
@@ -222,6 +223,7 @@ class Server:
         self.unix_path: str | None = None
         self.metrics_address: tuple[str, int] | None = None
         self.http = None  # the HttpServer beside it, if any
+        self.chat = EngineChat(engine.config.model, engine.tokenizer)
         self._num_connections_opened = 0
         self._num_requests = 0
         self._shutdown_requested = trio.Event()
@@ -768,6 +770,12 @@ class _Connection:
                        f"tenant {message.tenant[:64]!r} already has "
                        f"{server.tenant_inflight[message.tenant]} live streams",
                        "max_inflight_per_tenant")
+        if refusal is None and message.messages is not None:
+            try:
+                message = attrs.evolve(message, prompt=server.chat.prompt_ids(message.messages),
+                                       messages=None)
+            except InvalidRequestError as exc:
+                refusal = (ErrorCode.INVALID_REQUEST, str(exc), None)
         if refusal is not None:
             code, text, limit = refusal
             server.metrics.on_rejected(code.value)
