@@ -39,7 +39,7 @@ from .openai_api import (
     ApiError, ApiRequest, Choice, ChunkEncoder, completion_body, parse_request,
     status_of, usage_of,
 )
-from .server import Server, _engine_error_code, _StreamState, tokens_match
+from .server import Server, _engine_error_code, _StreamState, read_secret_file, tokens_match
 
 __all__ = ["DEFAULT_HTTP_PORT", "HttpConfig", "HttpServer", "serve_http", "add_http_arguments",
            "http_config_from_args"]
@@ -667,12 +667,5 @@ def _read_api_key(args: argparse.Namespace) -> str | None:
     if args.api_key is not None:
         return args.api_key
     if args.api_key_file is not None:
-        try:
-            with open(args.api_key_file, encoding="utf-8") as f:
-                key = f.read().strip()
-        except OSError as exc:
-            raise ConfigError(f"cannot read the API key file: {exc.strerror}: {args.api_key_file}") from None
-        if not key:
-            raise ConfigError(f"the API key file {args.api_key_file} is empty")
-        return key
+        return read_secret_file(args.api_key_file, "API key")
     return os.environ.get(API_KEY_ENV) or None

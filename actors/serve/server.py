@@ -1040,16 +1040,22 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+def read_secret_file(path: str, what: str) -> str:
+    """A shared secret kept in a file (surrounding whitespace dropped); ConfigError
+    naming `what` and the path if it cannot be read or is empty."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            secret = f.read().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the {what} file: {exc.strerror}: {path}") from None
+    if not secret:
+        raise ConfigError(f"the {what} file {path} is empty")
+    return secret
+
+
 def _read_token(args: argparse.Namespace) -> str | None:
     if args.token_file is not None:
-        try:
-            with open(args.token_file, encoding="utf-8") as f:
-                token = f.read().strip()
-        except OSError as exc:
-            raise ConfigError(f"cannot read the token file: {exc.strerror}: {args.token_file}") from None
-        if not token:
-            raise ConfigError(f"the token file {args.token_file} is empty")
-        return token
+        return read_secret_file(args.token_file, "token")
     return os.environ.get("CADENCE_TOKEN") or None
 
 

@@ -76,9 +76,18 @@ TOOLS = [{"type": "function", "function": {"name": "weather", "description": "We
                                                "city": {"type": "string"}}}}}]
 
 
+# Per style: its special tokens, the tokenizer's named tokens, the model class, the template.
+STYLES = {
+    "llama": (LLAMA_SPECIALS, {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
+              "LlamaConfig", "LlamaForCausalLM", LLAMA3_STYLE),
+    "qwen": (QWEN_SPECIALS, {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+             "Qwen2Config", "Qwen2ForCausalLM", QWEN_STYLE),
+}
+
+
 def _save_model(tmp_path, kind: str):
     """A tiny random model and a small byte-level BPE tokenizer, saved as a model folder."""
-    specials = LLAMA_SPECIALS if kind == "llama" else QWEN_SPECIALS
+    specials, named_tokens, config_class, model_class, template = STYLES[kind]
     backend = tokenizers.Tokenizer(tokenizers.models.BPE())
     backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = tokenizers.decoders.ByteLevel()
@@ -86,24 +95,13 @@ def _save_model(tmp_path, kind: str):
         vocab_size=400, special_tokens=specials,
         initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
     backend.train_from_iterator(CORPUS, trainer)
-    if kind == "llama":
-        tokenizer = transformers.PreTrainedTokenizerFast(
-            tokenizer_object=backend, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
-        config = transformers.LlamaConfig(
-            vocab_size=backend.get_vocab_size(), hidden_size=16, intermediate_size=32,
-            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
-        model = transformers.LlamaForCausalLM(config)
-        tokenizer.chat_template = LLAMA3_STYLE
-    else:
-        tokenizer = transformers.PreTrainedTokenizerFast(
-            tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-        config = transformers.Qwen2Config(
-            vocab_size=backend.get_vocab_size(), hidden_size=16, intermediate_size=32,
-            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
-        model = transformers.Qwen2ForCausalLM(config)
-        tokenizer.chat_template = QWEN_STYLE
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, **named_tokens)
+    tokenizer.chat_template = template
+    config = getattr(transformers, config_class)(
+        vocab_size=backend.get_vocab_size(), hidden_size=16, intermediate_size=32,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
     path = tmp_path / kind
-    model.save_pretrained(path)
+    getattr(transformers, model_class)(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 

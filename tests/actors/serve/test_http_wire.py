@@ -235,3 +235,34 @@ async def test_n_samples_share_their_prompts_computed_blocks(stream):
             assert sorted(texts) == [0, 1, 2, 3] and all(len(t) == 6 for t in texts.values())
         await client.stream.aclose()
         await settled(server)
+
+
+def _serve_args(*argv: str):
+    import argparse
+
+    from cadence.actors.serve.server import add_serve_parser
+
+    parser = argparse.ArgumentParser(prog="cadence")
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["serve", *argv])
+
+
+def test_serve_options_describe_the_http_api(tmp_path, monkeypatch):
+    from cadence.actors.serve.http import DEFAULT_HTTP_PORT, http_config_from_args
+    from cadence.statemachine.errors import ConfigError
+
+    monkeypatch.delenv("CADENCE_API_KEY", raising=False)
+    config = http_config_from_args(_serve_args())
+    assert (config.host, config.port, config.api_key) == ("127.0.0.1", DEFAULT_HTTP_PORT, None)
+    assert http_config_from_args(_serve_args("--port", "0")).port == 0  # beside a free msgpack port
+    assert http_config_from_args(_serve_args("--port", "0", "--http-port", "9")).port == 9
+    assert http_config_from_args(_serve_args("--no-http")) is None
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret\n")
+    assert http_config_from_args(_serve_args("--api-key-file", str(key_file))).api_key == "s3cret"
+    monkeypatch.setenv("CADENCE_API_KEY", "from-env")
+    assert http_config_from_args(_serve_args()).api_key == "from-env"
+    key_file.write_text("  \n")
+    with pytest.raises(ConfigError, match="API key file .* is empty"):
+        http_config_from_args(_serve_args("--api-key-file", str(key_file)))
+    assert http_config_from_args(_serve_args("--model", "demo")).served_model_name == "demo"
