@@ -29,7 +29,6 @@ import resource
 import signal
 import subprocess
 import sys
-import time
 
 import trio
 

@@ -199,7 +199,8 @@ class HttpServer:
         self._created = int(time.time())
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Listen and serve until cancelled; `nursery.start` returns the address."""
+        """Listen and serve until cancelled; `nursery.start` returns this server once
+        it listens (its `address` set)."""
         config = self.config
         backlog = min(65535, max(128, self.server.config.max_connections))
         listeners = await trio.open_tcp_listeners(config.port, host=config.host, backlog=backlog)
@@ -207,7 +208,7 @@ class HttpServer:
         if config.host not in ("127.0.0.1", "::1", "localhost") and config.api_key is None:
             _log.warning("HTTP API on %s without an API key: anyone who can reach it may use "
                          "the engine", config.host)
-        task_status.started(self.address)
+        task_status.started(self)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch_sends)
             await trio.serve_listeners(self._handle, listeners)
@@ -248,7 +249,7 @@ class HttpServer:
                 await stream.aclose()
 
     async def _refuse(self, exchange: _Exchange, error: ApiError) -> None:
-        with trio.move_on_after(limits_timeout(self.server)):
+        with trio.move_on_after(self.server.config.handshake_timeout_s):
             event = await exchange.next_event()
             if isinstance(event, h11.Request):
                 await exchange.send_error(error, close=True)
@@ -592,11 +593,6 @@ def _allow(method: str, allowed: str) -> None:
         raise ApiError(405, f"method {method} is not allowed here; use {allowed}", code="method_not_allowed")
 
 
-def limits_timeout(server: Server) -> float:
-    """How long a refused connection may take to send its request."""
-    return server.config.handshake_timeout_s
-
-
 def _token_text_function(tokenizer) -> Callable[[int], str]:
     """The text of one token id, special tokens spelled out (for logprobs)."""
     if tokenizer is None:
@@ -611,19 +607,7 @@ def _token_text_function(tokenizer) -> Callable[[int], str]:
 async def serve_http(server: Server, config: HttpConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve the HTTP API for `server` until cancelled; `nursery.start` returns the
     `HttpServer` once it listens."""
-    http = HttpServer(server, config)
-    await http.serve(task_status=_Relabel(task_status, http))
-
-
-class _Relabel:
-    """Reports the HttpServer rather than its address to `nursery.start`."""
-
-    def __init__(self, task_status, value) -> None:
-        self._task_status, self._value = task_status, value
-
-    def started(self, _address=None) -> None:
-        """Pass the HttpServer on."""
-        self._task_status.started(self._value)
+    await HttpServer(server, config).serve(task_status=task_status)
 
 
 # ---------------------------------------------------------------------------
