@@ -32,7 +32,7 @@ import attrs
 import h11
 import trio
 
-from cadence.statemachine.errors import CadenceError, ConfigError
+from cadence.statemachine.errors import CadenceError, ConfigError, EngineClosedError
 
 from ..wire import ErrorCode
 from .openai_api import (
@@ -193,6 +193,7 @@ class HttpServer:
         self.model_name = self.config.served_model_name or self.engine.config.model
         self.address: tuple[str, int] | None = None
         self.exchanges: set[_Exchange] = set()
+        self.live: dict[str, Choice] = {}  # by request id, from admission to release
         self.chat = server.chat
         self.token_text = _token_text_function(self.engine.tokenizer)
         self._num_requests = 0
@@ -434,6 +435,7 @@ class HttpServer:
                 server.tenant_inflight[request.tenant] += 1
                 choice = Choice(len(choices), prompt_index, stream, state,
                                 leader=leader if share_prompt else None)
+                self.live[request_id] = choice
                 leader = leader or choice
                 choices.append(choice)
         return choices
@@ -467,6 +469,9 @@ class HttpServer:
         them (the block manager counts their references) instead of computing them
         again. False (with the error on the choice) if it is refused."""
         await choice.leader.prefilled.wait()
+        if self.server.draining:
+            choice.error = EngineClosedError("the server is shutting down")
+            return False
         try:
             await self._admitted(request, choice)
         except CadenceError as exc:
@@ -487,7 +492,15 @@ class HttpServer:
         await choice.stream.aclose()  # aborts the request unless it finished
         if not choice.released:
             choice.released = True
+            del self.live[choice.state.request_id]
             self.server.stream_finished(choice.state)
+
+    def abort_for_shutdown(self) -> None:
+        """The drain's grace is over: abort every running request (its answer ends
+        with finish_reason "abort"); samples not yet started are refused."""
+        for request_id, choice in self.live.items():
+            if choice.started:
+                self.engine.scheduler.abort_nowait(request_id, "shutdown")
 
     async def _relay(self, request: ApiRequest, choice: Choice, emit: Callable | None) -> None:
         """Iterate one choice's stream, recording metrics and (streaming) emitting

@@ -313,6 +313,8 @@ class Server:
                 await self._all_idle.wait()
         for conn in list(self.connections.values()):
             conn.abort_for_shutdown()
+        if self.http is not None:
+            self.http.abort_for_shutdown()
 
     # ---- listening ---------------------------------------------------------------
     async def _open_listeners(self) -> list[trio.SocketListener]:

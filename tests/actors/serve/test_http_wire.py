@@ -266,3 +266,32 @@ def test_serve_options_describe_the_http_api(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="API key file .* is empty"):
         http_config_from_args(_serve_args("--api-key-file", str(key_file)))
     assert http_config_from_args(_serve_args("--model", "demo")).served_model_name == "demo"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_requests_outliving_the_drain_end_with_abort(stream):
+    async with open_server(engine_config(SLOW_STEP), server_config(shutdown_grace_s=WAIT_S),
+                           http=HttpConfig(port=0)) as server:
+        client = await _connect(server)
+        async with trio.open_nursery() as nursery:
+            answers = []
+
+            async def ask() -> None:
+                answers.append(await client.request("POST", "/v1/completions", {
+                    "prompt": [1, 2], "max_tokens": 5000, "ignore_eos": True, "stream": stream}))
+
+            nursery.start_soon(ask)
+            with trio.fail_after(WAIT_S):
+                while not server.engine.core.requests:
+                    await trio.sleep(0.005)
+            server.shutdown(0.05)
+        [(status, body)] = answers
+        assert status == 200
+        if stream:
+            events = _events(body)
+            assert events[-1] is None and events[-2]["choices"][0]["finish_reason"] == "abort"
+        else:
+            [choice] = json.loads(body)["choices"]
+            assert choice["finish_reason"] == "abort" and 0 < len(choice["text"]) < 5000
+        await server.wait_stopped()
+        assert not server.http.live and server.num_inflight == 0
