@@ -509,14 +509,16 @@ class HttpServer:
             return
         metrics = self.server.metrics
         previous_s = None
+        whole = emit is None
         try:
             async for out in choice.stream:
-                choice.prefilled.set()
+                if previous_s is None:
+                    choice.prefilled.set()
                 if out.token_ids:
                     metrics.on_tokens(len(out.token_ids), out.first_token_s, out.arrival_s,
                                       previous_s, out.now_s)
                     previous_s = out.now_s
-                choice.add(out)
+                choice.add(out, whole)
                 if out.finish_reason is not None:
                     metrics.on_finished(out.finish_reason, out.arrival_s, out.now_s)
                 if emit is not None:
@@ -550,10 +552,10 @@ class HttpServer:
         lock = trio.Lock() if len(choices) > 1 else None
 
         async def emit(choice: Choice, out) -> None:
-            entry = choice.delta(request, out, token_text)
+            entry = choice.delta_json(request, out, token_text)
             if entry is None:
                 return
-            data = frame(encoder.event([entry]))
+            data = frame(encoder.event_json(entry))
             try:
                 if lock is None:
                     await exchange.send_bytes(data)

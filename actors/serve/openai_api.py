@@ -38,6 +38,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_CHOICES = 128
 # JSON has no -inf: a token the sampler could never pick reports this logprob.
 MIN_LOGPROB = -9999.0
+_NULL = b"null"
 # The most alternatives per token SamplingParams allows.
 MAX_TOP_LOGPROBS = 20
 
@@ -284,13 +285,15 @@ class Choice:
     # Set once this sample's prompt is computed (its first output) or it ended.
     prefilled: trio.Event = attrs.Factory(trio.Event)
 
-    def add(self, out) -> None:
-        """Take one engine delta."""
-        if out.text:
-            self.texts.append(out.text)
-        self.token_ids.extend(out.token_ids)
-        if out.logprobs is not None:
-            self.logprobs.extend(zip(out.token_ids, out.logprobs))
+    def add(self, out, whole: bool) -> None:
+        """Take one engine delta; `whole`: keep its text, tokens and logprobs for a
+        non-streamed answer (a streamed one only needs the counts)."""
+        if whole:
+            if out.text:
+                self.texts.append(out.text)
+            self.token_ids.extend(out.token_ids)
+            if out.logprobs is not None:
+                self.logprobs.extend(zip(out.token_ids, out.logprobs))
         self.num_tokens = out.num_tokens
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason
@@ -306,11 +309,26 @@ class Choice:
         self.text_offset = len(text)
         return {"index": self.index, "text": text, "logprobs": None, "finish_reason": None}
 
-    def delta(self, request: ApiRequest, out, token_text: Callable[[int], str]) -> dict | None:
-        """The chunk entry for one engine delta (None when it says nothing)."""
+    def delta_json(self, request: ApiRequest, out, token_text: Callable[[int], str]) -> bytes | None:
+        """The chunk entry for one engine delta as JSON (None when it says nothing).
+        The common entry (text, no logprobs, no token ids) is written without
+        building a dict: it is on the hot path of every streamed token."""
         text = out.text or ""
         if not text and out.finish_reason is None and not out.token_ids:
             return None
+        if request.logprobs is None and not request.return_token_ids:
+            reason = _NULL if out.finish_reason is None else json.dumps(out.finish_reason).encode()
+            if request.chat:
+                content = b'{"content":' + json.dumps(text).encode() + b"}" if text else b"{}"
+                return (b'{"index":%d,"delta":%b,"logprobs":null,"finish_reason":%b}'
+                        % (self.index, content, reason))
+            return (b'{"index":%d,"text":%b,"logprobs":null,"finish_reason":%b}'
+                    % (self.index, json.dumps(text).encode(), reason))
+        return json.dumps(self.delta(request, out, token_text), separators=(",", ":")).encode("utf-8")
+
+    def delta(self, request: ApiRequest, out, token_text: Callable[[int], str]) -> dict:
+        """The chunk entry for one engine delta."""
+        text = out.text or ""
         logprobs = None
         if request.logprobs is not None and out.logprobs is not None:
             logprobs = self._render_logprobs(request, list(zip(out.token_ids, out.logprobs)),
@@ -401,6 +419,10 @@ class ChunkEncoder:
     def event(self, entries: list[dict]) -> bytes:
         """A chunk with these choice entries."""
         return self._prefix + json.dumps(entries, separators=(",", ":")).encode("utf-8") + self._suffix
+
+    def event_json(self, entry: bytes) -> bytes:
+        """A chunk with one choice entry already written as JSON."""
+        return self._prefix + b"[" + entry + b"]" + self._suffix
 
     def usage_event(self, usage: dict) -> bytes:
         """The last chunk when usage was asked for: no choices, the usage."""

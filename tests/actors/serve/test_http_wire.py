@@ -295,3 +295,20 @@ async def test_requests_outliving_the_drain_end_with_abort(stream):
             assert choice["finish_reason"] == "abort" and 0 < len(choice["text"]) < 5000
         await server.wait_stopped()
         assert not server.http.live and server.num_inflight == 0
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("text, finish_reason", [
+    ("plain", None), ('quote " and \\ backslash', "stop"), ("naïve ☃\n\t", "length"), ("", "stop"),
+    ("\u2028 line separator", None)])
+def test_the_fast_chunk_entry_is_the_entry_json_would_write(chat, text, finish_reason):
+    from cadence.actors.request_actor import RequestOutput
+    from cadence.actors.serve.openai_api import ApiRequest, Choice
+    from cadence.statemachine.sampling import SamplingParams
+
+    request = ApiRequest(chat=chat, response_id="x", created=0, model="m", prompts=[[1]],
+                         params=SamplingParams(), stream=True)
+    out = RequestOutput("r", [65], text, 1, finish_reason, "", 0.0, None, 0.0, 0)
+    choice = Choice(3, 0, None, None)
+    fast = choice.delta_json(request, out, str)
+    assert json.loads(fast) == choice.delta(request, out, str)
