@@ -4,7 +4,9 @@ Run as ``python -m cadence.actors.executor_worker --fd N`` where N is an
 inherited, connected Unix stream socket. It reads an `InitExecutor` frame,
 builds the model runner and answers `Ready`; then answers each `ExecuteStep`
 with `StepOutput` (or `ExecutorFailed` if the runner raised) until `Shutdown`
-or end of stream. It needs no Trio: one request is in flight at a time.
+or end of stream. It needs no Trio: one request is in flight at a time. With
+``--heartbeat-s S`` a second thread sends a `Heartbeat` frame every S seconds
+while it works, so the parent can tell a stopped process from a slow step.
 
 This module also defines the runner contract both executor backends rely on,
 and `DeterministicRunner`, the model "simulated": a zero-cost fake whose tokens
@@ -19,6 +21,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 import zlib
@@ -34,6 +37,7 @@ from .framing import receive_frame_sync, send_frame_sync
 from .messages import (
     ExecuteStep,
     ExecutorFailed,
+    Heartbeat,
     InitExecutor,
     Ready,
     Shutdown,
@@ -50,6 +54,7 @@ __all__ = [
     "deterministic_token",
     "build_runner",
     "ready_from_runner",
+    "run_step",
     "serve",
     "main",
 ]
@@ -70,7 +75,12 @@ EXIT_SIMULATED_CRASH = 3
 
 
 class ModelRunnerLike(Protocol):
-    """What an executor needs from a model runner (gpu.runner.ModelRunner is one)."""
+    """What an executor needs from a model runner (gpu.runner.ModelRunner is one).
+
+    A runner may also have `take_failed() -> dict[str, str]`: the requests its
+    last `execute` could not serve (each dropped from its batch, with a one-line
+    reason), so one bad request costs itself, not the step.
+    """
 
     num_blocks: int
     vocab_size: int
@@ -81,6 +91,13 @@ class ModelRunnerLike(Protocol):
 
 
 RunnerFactory = Callable[[InitExecutor], ModelRunnerLike]
+
+
+def run_step(runner: ModelRunnerLike, step: ExecuteStep) -> StepOutput:
+    """Run one step on `runner`; the requests it could not serve come back in `failed`."""
+    result = runner.execute(step.plan, step.sampling)
+    take_failed = getattr(runner, "take_failed", None)
+    return StepOutput(result, take_failed() if take_failed is not None else {})
 
 
 def deterministic_token(request_id: str, position: int, vocab_size: int = DEFAULT_VOCAB_SIZE) -> int:
@@ -111,7 +128,10 @@ class DeterministicRunner:
     fail_at_step / exit_at_step / hang_at_step (int: raise once, exit the
     process with code 3, or stall for an hour, when that step id arrives);
     echo (bool: keep no batch and answer token 0 for every scheduled request,
-    a zero-cost runner for measuring the transport alone).
+    a zero-cost runner for measuring the transport alone); faults that follow
+    a request whose tokens hold a marker token: bad_token (int: the request is
+    refused at input preparation and reported in `take_failed`), crash_token
+    (int: the whole step raises), exit_token (int: the process exits with code 3).
     """
 
     def __init__(self, init: InitExecutor) -> None:
@@ -128,7 +148,16 @@ class DeterministicRunner:
         self._exit_at_step = options.get("exit_at_step")
         self._hang_at_step = options.get("hang_at_step")
         self._echo = bool(options.get("echo", False))
+        self._bad_token = options.get("bad_token")
+        self._crash_token = options.get("crash_token")
+        self._exit_token = options.get("exit_token")
         self._batch: dict[str, _Sequence] = {}
+        self._failed: dict[str, str] = {}
+
+    def take_failed(self) -> dict[str, str]:
+        """The requests the last step refused, with why (and forget them)."""
+        failed, self._failed = self._failed, {}
+        return failed
 
     def execute(self, plan: StepPlan, sampling: dict[str, SamplingParams]) -> StepResult:
         """Apply the plan's deltas to the batch and sample one token per finished prefill or decode."""
@@ -142,13 +171,19 @@ class DeterministicRunner:
             params = sampling.get(data.request_id)
             if params is None:
                 raise ExecutorError(f"step {plan.step_id}: no SamplingParams for new request {data.request_id!r}")
+            if self._bad_token is not None and self._bad_token in data.token_ids:
+                self._failed[data.request_id] = f"token {self._bad_token} cannot be embedded"
+                continue
             self._batch[data.request_id] = _Sequence(
                 list(data.token_ids), list(data.block_ids), data.num_computed_tokens, params)
+        self._maybe_follow_request(plan)
         for request_id, block_ids in plan.new_block_ids.items():
             self._sequence(request_id).block_ids.extend(block_ids)
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[list[tuple[int, float]]]] = {}
         for request_id, num_tokens in plan.num_scheduled_tokens.items():
+            if request_id in self._failed:
+                continue
             token = self._advance(request_id, self._sequence(request_id), num_tokens)
             if token is None:
                 continue
@@ -169,6 +204,19 @@ class DeterministicRunner:
         if self._fail_at_step is not None and step_id == self._fail_at_step:
             self._fail_at_step = None  # a transient fault: a retry of the step succeeds
             raise RuntimeError(f"simulated failure at step {step_id}")
+
+    def _maybe_follow_request(self, plan: StepPlan) -> None:
+        """Fail the whole step (raise or exit) when a scheduled request holds a marker token."""
+        if self._crash_token is None and self._exit_token is None:
+            return
+        for request_id in plan.num_scheduled_tokens:
+            sequence = self._batch.get(request_id)
+            if sequence is None:
+                continue
+            if self._exit_token is not None and self._exit_token in sequence.token_ids:
+                os._exit(EXIT_SIMULATED_CRASH)
+            if self._crash_token is not None and self._crash_token in sequence.token_ids:
+                raise RuntimeError(f"simulated fault following a request in step {plan.step_id}")
 
     def _sequence(self, request_id: str) -> _Sequence:
         sequence = self._batch.get(request_id)
@@ -309,43 +357,121 @@ def _failure(step_id: int | None, exc: BaseException) -> ExecutorFailed:
     return ExecutorFailed(step_id, f"{type(exc).__name__}: {exc}", traceback.format_exc())
 
 
-def serve(sock: socket.socket, runner_factory: RunnerFactory = build_runner) -> int:
-    """Serve one scheduler over `sock` until Shutdown or end of stream; returns the exit code."""
+class _Heartbeat:
+    """Sends a Heartbeat frame every `interval_s` while the main thread works on a
+    request, from a thread of its own: a stopped or frozen process sends none,
+    a merely slow step goes on beating."""
+
+    def __init__(self, sock: socket.socket, lock: threading.Lock, interval_s: float) -> None:
+        self._sock, self._lock, self._interval_s = sock, lock, interval_s
+        self._busy = threading.Event()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cadence-heartbeat", daemon=True)
+        self._thread.start()
+
+    def busy(self, working: bool) -> None:
+        """Beat from now on (True) or stop beating (False)."""
+        if working:
+            self._busy.set()
+        else:
+            self._busy.clear()
+
+    def stop(self) -> None:
+        """End the thread."""
+        self._stopped.set()
+        self._busy.set()
+
+    def _run(self) -> None:
+        frame = encode(Heartbeat())
+        while not self._stopped.is_set():
+            self._busy.wait()
+            if self._stopped.wait(self._interval_s):
+                return
+            if not self._busy.is_set():
+                continue
+            with self._lock:
+                try:
+                    send_frame_sync(self._sock, frame)
+                except OSError:
+                    return  # the parent went away; the main thread finds out too
+
+
+class _Replier:
+    """The worker's side of the socket: replies, and heartbeats while it works."""
+
+    def __init__(self, sock: socket.socket, heartbeat_s: float | None) -> None:
+        self._sock = sock
+        self._lock = threading.Lock()
+        self._heartbeat = None if heartbeat_s is None else _Heartbeat(sock, self._lock, heartbeat_s)
+
+    def working(self) -> None:
+        """A request arrived: beat until it is answered."""
+        if self._heartbeat is not None:
+            self._heartbeat.busy(True)
+
+    def send(self, payload: bytes) -> None:
+        """Answer the request in hand."""
+        if self._heartbeat is not None:
+            self._heartbeat.busy(False)
+        with self._lock:
+            send_frame_sync(self._sock, payload)
+
+    def close(self) -> None:
+        """Stop the heartbeat thread."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+
+
+def serve(sock: socket.socket, runner_factory: RunnerFactory = build_runner,
+          heartbeat_s: float | None = None) -> int:
+    """Serve one scheduler over `sock` until Shutdown or end of stream; returns the exit code.
+
+    heartbeat_s: send a Heartbeat this often while building the runner or running a step.
+    """
+    replier = _Replier(sock, heartbeat_s)
+    try:
+        return _serve(sock, replier, runner_factory)
+    finally:
+        replier.close()
+
+
+def _serve(sock: socket.socket, replier: _Replier, runner_factory: RunnerFactory) -> int:
     frame = receive_frame_sync(sock)
     if frame is None:
         return EXIT_OK
+    replier.working()
     try:
         init = decode(frame)
         if not isinstance(init, InitExecutor):
             raise ProtocolError(f"expected InitExecutor first, got {type(init).__name__}")
     except ProtocolError as exc:
-        send_frame_sync(sock, encode(_failure(None, exc)))
+        replier.send(encode(_failure(None, exc)))
         return EXIT_PROTOCOL_ERROR
     try:
         runner = runner_factory(init)
         ready = ready_from_runner(runner, init)
     except Exception as exc:
-        send_frame_sync(sock, encode(_failure(None, exc)))
+        replier.send(encode(_failure(None, exc)))
         return EXIT_RUNNER_FAILED
-    send_frame_sync(sock, encode(ready))
+    replier.send(encode(ready))
     while (frame := receive_frame_sync(sock)) is not None:
+        replier.working()
         try:
             message = decode(frame)
         except ProtocolError as exc:
             # The framing is intact, so the stream is still in step: report and go on.
-            send_frame_sync(sock, encode(_failure(None, exc)))
+            replier.send(encode(_failure(None, exc)))
             continue
         if isinstance(message, Shutdown):
             break
         if not isinstance(message, ExecuteStep):
-            send_frame_sync(sock, encode(ExecutorFailed(None, f"unexpected {type(message).__name__}")))
+            replier.send(encode(ExecutorFailed(None, f"unexpected {type(message).__name__}")))
             continue
         try:
-            reply: StepOutput | ExecutorFailed = StepOutput(runner.execute(message.plan, message.sampling))
-            payload = encode(reply)
+            payload = encode(run_step(runner, message))
         except Exception as exc:
             payload = encode(_failure(message.plan.step_id, exc))
-        send_frame_sync(sock, payload)
+        replier.send(payload)
     close = getattr(runner, "close", None)
     if close is not None:
         close()
@@ -356,13 +482,15 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the child process."""
     parser = argparse.ArgumentParser(prog="python -m cadence.actors.executor_worker")
     parser.add_argument("--fd", type=int, required=True, help="inherited connected Unix stream socket")
+    parser.add_argument("--heartbeat-s", type=float, default=None,
+                        help="send a Heartbeat this often while working (default: never)")
     args = parser.parse_args(argv)
     # A Ctrl-C in the terminal reaches the whole process group; the parent
     # decides when this process ends (Shutdown, end of stream or SIGKILL).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=args.fd)
     try:
-        return serve(sock)
+        return serve(sock, heartbeat_s=args.heartbeat_s)
     except (BrokenPipeError, ConnectionResetError):
         return EXIT_OK  # the parent went away; nobody is left to tell
     except ProtocolError as exc:

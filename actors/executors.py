@@ -19,20 +19,24 @@ from __future__ import annotations
 
 import concurrent.futures
 import inspect
+import logging
+import math
 import signal
 import socket
 import sys
 from typing import Sequence
 
+import attrs
 import trio
 
 from cadence.statemachine.errors import ExecutorError, ProtocolError
 
-from .executor_worker import ModelRunnerLike, RunnerFactory, build_runner, ready_from_runner
+from .executor_worker import ModelRunnerLike, RunnerFactory, build_runner, ready_from_runner, run_step
 from .framing import MAX_FRAME_BYTES, receive_frame, send_frame
 from .messages import (
     ExecuteStep,
     ExecutorFailed,
+    Heartbeat,
     InitExecutor,
     Message,
     Ready,
@@ -42,6 +46,8 @@ from .messages import (
     encode,
 )
 
+_log = logging.getLogger("cadence.executor")
+
 __all__ = ["InProcessExecutor", "ChildProcessExecutor", "WORKER_COMMAND", "describe_exit"]
 
 WORKER_COMMAND = (sys.executable, "-m", "cadence.actors.executor_worker")
@@ -49,6 +55,9 @@ WORKER_COMMAND = (sys.executable, "-m", "cadence.actors.executor_worker")
 # kill it, so the error can name its real exit code rather than our SIGKILL.
 _EXIT_GRACE_S = 1.0
 _SHUTDOWN_TIMEOUT_S = 5.0
+# Heartbeats a working child sends per heartbeat timeout: missing several in a
+# row, not one late beat, is what counts as stopped.
+HEARTBEATS_PER_TIMEOUT = 5
 
 # Trio renamed `cancellable` to `abandon_on_cancel` in 0.23; accept either.
 _ABANDON_KW = (
@@ -72,8 +81,49 @@ def describe_exit(returncode: int | None) -> str:
 
 
 def _failed_error(failed: ExecutorFailed, what: str) -> ExecutorError:
-    detail = f"\n{failed.detail}" if failed.detail else ""
-    return ExecutorError(f"executor failed {what}: {failed.error}{detail}")
+    """The error for a failure the executor reported; its traceback goes to the log
+    only, since the message may reach clients."""
+    if failed.detail:
+        _log.debug("executor failed %s: %s\n%s", what, failed.error, failed.detail)
+    return ExecutorError(f"executor failed {what}: {failed.error}")
+
+
+def _strip_unencodable(step: ExecuteStep) -> tuple[ExecuteStep, dict[str, str]]:
+    """`step` without the new requests whose sampling parameters cannot be
+    encoded, and those requests with the reason: one such request fails alone."""
+    failed: dict[str, str] = {}
+    for rid, params in step.sampling.items():
+        try:
+            encode(ExecuteStep(attrs.evolve(step.plan, num_scheduled_tokens={}, new_requests=[]),
+                               {rid: params}))
+        except ProtocolError as exc:
+            failed[rid] = f"its sampling parameters cannot be sent to the executor: {exc}"
+    if not failed:
+        return step, failed
+    plan = step.plan
+    scheduled = {rid: n for rid, n in plan.num_scheduled_tokens.items() if rid not in failed}
+    plan = attrs.evolve(
+        plan, num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
+        new_requests=[d for d in plan.new_requests if d.request_id not in failed],
+        new_block_ids={rid: ids for rid, ids in plan.new_block_ids.items() if rid not in failed},
+        resumed_ids=[rid for rid in plan.resumed_ids if rid not in failed])
+    sampling = {rid: p for rid, p in step.sampling.items() if rid not in failed}
+    return ExecuteStep(plan, sampling), failed
+
+
+def _encode_step(step: ExecuteStep) -> tuple[bytes, ExecuteStep, dict[str, str]]:
+    """The step's frame, leaving out (and naming) requests that cannot be encoded."""
+    try:
+        return encode(step), step, {}
+    except ProtocolError:
+        step, failed = _strip_unencodable(step)
+        if not failed:
+            raise
+        return encode(step), step, failed
+
+
+def _with_failed(output: StepOutput, failed: dict[str, str]) -> StepOutput:
+    return output if not failed else attrs.evolve(output, failed={**output.failed, **failed})
 
 
 def _check_output(reply: Message, step: ExecuteStep) -> StepOutput:
@@ -151,16 +201,22 @@ class InProcessExecutor:
             raise ExecutorError("executor is not running; call start() first")
         if self._interrupted:
             raise ExecutorError("executor was interrupted mid-step; kill() and start() it again")
-        step = self._wire(step)  # type: ignore[assignment]
+        unsent: dict[str, str] = {}
+        if self._round_trip:
+            try:
+                frame, step, unsent = _encode_step(step)
+                step = decode(frame)  # type: ignore[assignment]
+            except ProtocolError as exc:
+                raise ExecutorError(f"ExecuteStep does not survive the wire: {exc}") from exc
         self._interrupted = True
         try:
-            result = await self._in_model_thread(runner.execute, step.plan, step.sampling)
+            output = await self._in_model_thread(run_step, runner, step)
         except Exception as exc:
             self._interrupted = False
             failed = ExecutorFailed(step.plan.step_id, f"{type(exc).__name__}: {exc}")
             raise _failed_error(failed, f"step {step.plan.step_id}") from exc
         self._interrupted = False
-        return _check_output(self._wire(StepOutput(result)), step)
+        return _with_failed(_check_output(self._wire(output), step), unsent)
 
     async def kill(self) -> None:
         """Drop the runner; a step still running in an abandoned thread finishes unseen."""
@@ -187,6 +243,10 @@ class ChildProcessExecutor:
     command: the worker's command line (default `WORKER_COMMAND`); ``--fd N`` is
     appended, naming the inherited socket. A dead child, a closed socket or an
     invalid frame raises `ExecutorError` naming the exit code or signal.
+    heartbeat_timeout_s: with a value, the child is asked to send a Heartbeat
+    `HEARTBEATS_PER_TIMEOUT` times per this period while it works, and one
+    that sends nothing for this long (stopped, frozen) is killed and reported;
+    None (the default) waits for the answer as long as the caller does.
     """
 
     def __init__(
@@ -195,10 +255,14 @@ class ChildProcessExecutor:
         *,
         max_frame_bytes: int = MAX_FRAME_BYTES,
         shutdown_timeout_s: float = _SHUTDOWN_TIMEOUT_S,
+        heartbeat_timeout_s: float | None = None,
     ) -> None:
+        if heartbeat_timeout_s is not None and not heartbeat_timeout_s > 0:
+            raise ValueError(f"heartbeat_timeout_s must be > 0 or None, got {heartbeat_timeout_s!r}")
         self._command = list(command)
         self._max_frame_bytes = max_frame_bytes
         self._shutdown_timeout_s = shutdown_timeout_s
+        self._heartbeat_timeout_s = heartbeat_timeout_s
         self._process: trio.Process | None = None
         self._stream: trio.SocketStream | None = None
         # Set while a request is on the wire; still set afterwards means an
@@ -220,6 +284,9 @@ class ChildProcessExecutor:
         await self.kill()
         parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         command = [*self._command, "--fd", str(child_sock.fileno())]
+        if self._heartbeat_timeout_s is not None:
+            interval_s = self._heartbeat_timeout_s / HEARTBEATS_PER_TIMEOUT
+            command += ["--heartbeat-s", repr(interval_s)]
         try:
             self._process = await trio.lowlevel.open_process(command, pass_fds=(child_sock.fileno(),))
         except BaseException as exc:
@@ -231,7 +298,7 @@ class ChildProcessExecutor:
             child_sock.close()
         self._stream = trio.SocketStream(trio.socket.from_stdlib_socket(parent_sock))
         try:
-            reply = await self._exchange(init, "start-up")
+            reply = await self._exchange(encode(init), "start-up")
             if isinstance(reply, ExecutorFailed):
                 raise _failed_error(reply, "to start")
             if not isinstance(reply, Ready):
@@ -243,15 +310,20 @@ class ChildProcessExecutor:
 
     async def execute(self, step: ExecuteStep) -> StepOutput:
         """Send one step and wait for its output."""
-        reply = await self._exchange(step, f"step {step.plan.step_id}")
         try:
-            return _check_output(reply, step)
+            frame, step, unsent = _encode_step(step)
+        except ProtocolError as exc:
+            raise ExecutorError(f"step {step.plan.step_id} cannot be sent to the executor: {exc}") from exc
+        reply = await self._exchange(frame, f"step {step.plan.step_id}")
+        try:
+            return _with_failed(_check_output(reply, step), unsent)
         except ExecutorError:
             if not isinstance(reply, ExecutorFailed):
                 await self.kill()  # it answered a different question: nothing it says can be trusted
             raise
 
-    async def _exchange(self, message: Message, what: str) -> Message:
+    async def _exchange(self, frame: bytes, what: str) -> Message:
+        """Send one encoded request and return the answer, skipping heartbeats."""
         stream = self._stream
         if stream is None:
             raise ExecutorError("executor is not running; call start() first")
@@ -259,19 +331,35 @@ class ChildProcessExecutor:
             raise ExecutorError("executor was interrupted mid-step; kill() and start() it again")
         self._in_flight = True
         try:
-            await send_frame(stream, encode(message), self._max_frame_bytes)
-            frame = await receive_frame(stream, self._max_frame_bytes)
+            await send_frame(stream, frame, self._max_frame_bytes)
         except (trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError) as exc:
             raise await self._lost(what, exc) from exc
-        if frame is None:
-            raise await self._lost(what, None)
-        try:
-            reply = decode(frame, self._max_frame_bytes)
-        except ProtocolError as exc:
-            await self.kill()
-            raise ExecutorError(f"executor sent an invalid message during {what} and was killed: {exc}") from exc
+        while True:
+            reply = await self._receive(stream, what)
+            if not isinstance(reply, Heartbeat):
+                break
         self._in_flight = False
         return reply
+
+    async def _receive(self, stream: trio.SocketStream, what: str) -> Message:
+        """The next message from the child; a silence past the heartbeat timeout kills it."""
+        timeout_s = self._heartbeat_timeout_s
+        with trio.move_on_after(math.inf if timeout_s is None else timeout_s):
+            try:
+                frame = await receive_frame(stream, self._max_frame_bytes)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError) as exc:
+                raise await self._lost(what, exc) from exc
+            if frame is None:
+                raise await self._lost(what, None)
+            try:
+                return decode(frame, self._max_frame_bytes)
+            except ProtocolError as exc:
+                await self.kill()
+                raise ExecutorError(
+                    f"executor sent an invalid message during {what} and was killed: {exc}") from exc
+        await self.kill()
+        raise ExecutorError(f"executor process sent no heartbeat for {timeout_s} s during {what} "
+                            f"(stopped or frozen) and was killed")
 
     async def _lost(self, what: str, cause: BaseException | None) -> ExecutorError:
         """The connection broke: give the child a moment to exit, reap it, and say how it ended."""

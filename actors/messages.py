@@ -43,6 +43,7 @@ __all__ = [
     "Ready",
     "StepOutput",
     "ExecutorFailed",
+    "Heartbeat",
     "Message",
     "ToExecutor",
     "FromExecutor",
@@ -388,28 +389,58 @@ class Ready:
 
 @attrs.frozen
 class StepOutput:
-    """Executor -> scheduler: the sampled tokens of one step."""
+    """Executor -> scheduler: the sampled tokens of one step.
+
+    failed: requests the executor could not serve this step, each with a
+      one-line reason (an input it cannot encode, a sampling error in its row).
+      They get no token; every other request's result stands, and the
+      executor has already dropped them from its persistent batch.
+    """
 
     result: StepResult
+    failed: dict[str, str] = attrs.field(factory=dict)
 
     TYPE: ClassVar[str] = "StepOutput"
 
     def to_wire(self) -> dict[str, Any]:
         """The msgpack payload map."""
-        return {"result": _result_to_wire(self.result)}
+        return {"result": _result_to_wire(self.result), "failed": self.failed}
 
     @classmethod
     def from_wire(cls, payload: object, path: str = "StepOutput") -> StepOutput:
         """Validate a payload map and build the message; raises ProtocolError."""
         m = _fields(payload, path, _OUTPUT_FIELDS)
-        return cls(result=_result_from_wire(m["result"], f"{path}.result"))
+        failed = _dict(m["failed"], f"{path}.failed")
+        _str_keys(failed, f"{path}.failed")
+        for rid, reason in failed.items():
+            _str(reason, f"{path}.failed[{rid!r}]")
+        return cls(result=_result_from_wire(m["result"], f"{path}.result"), failed=failed)
+
+
+@attrs.frozen
+class Heartbeat:
+    """Executor -> scheduler: still alive, sent every few moments while it works
+    on a request (start-up or a step), so a stopped process is told from a slow one."""
+
+    TYPE: ClassVar[str] = "Heartbeat"
+
+    def to_wire(self) -> dict[str, Any]:
+        """The msgpack payload map (empty)."""
+        return {}
+
+    @classmethod
+    def from_wire(cls, payload: object, path: str = "Heartbeat") -> Heartbeat:
+        """Validate a payload map and build the message; raises ProtocolError."""
+        _fields(payload, path, frozenset())
+        return cls()
 
 
 @attrs.frozen
 class ExecutorFailed:
     """Executor -> scheduler: a step (or start-up, step_id None) raised.
 
-    error: the exception's type and message, one line; detail: the traceback.
+    error: the exception's type and message, one line; detail: the traceback,
+      for the scheduler's log only (never passed on to clients).
     """
 
     step_id: int | None
@@ -444,11 +475,12 @@ _OUTPUT_FIELDS = _field_names(StepOutput)
 _FAILED_FIELDS = _field_names(ExecutorFailed)
 
 ToExecutor = Union[InitExecutor, ExecuteStep, Shutdown]
-FromExecutor = Union[Ready, StepOutput, ExecutorFailed]
+FromExecutor = Union[Ready, StepOutput, ExecutorFailed, Heartbeat]
 Message = Union[ToExecutor, FromExecutor]
 
 MESSAGE_TYPES: dict[str, type] = {
-    cls.TYPE: cls for cls in (InitExecutor, ExecuteStep, Shutdown, Ready, StepOutput, ExecutorFailed)
+    cls.TYPE: cls for cls in (InitExecutor, ExecuteStep, Shutdown, Ready, StepOutput, ExecutorFailed,
+                              Heartbeat)
 }
 _FROM_WIRE: dict[str, Callable[[object], Message]] = {
     name: cls.from_wire for name, cls in MESSAGE_TYPES.items()  # type: ignore[attr-defined]

@@ -18,6 +18,7 @@ from cadence.actors.messages import (
     PROTOCOL_VERSION,
     ExecuteStep,
     ExecutorFailed,
+    Heartbeat,
     InitExecutor,
     Ready,
     Shutdown,
@@ -115,12 +116,14 @@ output_messages = st.builds(
         logprobs=st.none() | st.dictionaries(request_ids, logprob_lists, max_size=3),
         execute_us=counts,
     ),
+    failed=st.dictionaries(request_ids, st.text(max_size=20), max_size=3),
 )
 failed_messages = st.builds(
     ExecutorFailed, step_id=st.none() | counts, error=st.text(max_size=20), detail=st.text(max_size=40),
 )
 messages = st.one_of(
     init_messages, execute_messages, st.just(Shutdown()), ready_messages, output_messages, failed_messages,
+    st.just(Heartbeat()),
 )
 
 
@@ -129,7 +132,8 @@ messages = st.one_of(
 
 
 def test_every_message_type_is_registered_under_its_class_name():
-    assert set(MESSAGE_TYPES) == {"InitExecutor", "ExecuteStep", "Shutdown", "Ready", "StepOutput", "ExecutorFailed"}
+    assert set(MESSAGE_TYPES) == {"InitExecutor", "ExecuteStep", "Shutdown", "Ready", "StepOutput",
+                                  "ExecutorFailed", "Heartbeat"}
     for name, cls in MESSAGE_TYPES.items():
         assert cls.__name__ == name
 
