@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Mapping, Sequence, Union
 
@@ -60,6 +61,11 @@ def _non_negative(instance, attribute, value) -> None:
         raise ConfigError(f"{attribute.name} must be >= 0, got {value!r}")
 
 
+def _optional_positive(instance, attribute, value) -> None:
+    if value is not None:
+        _positive(instance, attribute, value)
+
+
 def _executor_kind(instance, attribute, value) -> None:
     if isinstance(value, str):
         if value not in EXECUTOR_KINDS:
@@ -86,7 +92,13 @@ class EngineConfig:
     step_timeout_s: a step taking longer counts as an executor failure.
     start_timeout_s: most seconds a (re)start of the executor may take.
     max_restarts, restart_window_s: more than max_restarts failures within the
-      window fail every live request and close the engine.
+      window fail every live request and close the engine (failures that follow
+      one request, which then fails alone, do not count).
+    restart_backoff_s, restart_backoff_max_s: the pause before a restart, doubled
+      for each failure in a row (with jitter from `seed`) up to the maximum.
+    heartbeat_timeout_s: an executor child process that sends no heartbeat for
+      this long while it works (stopped, frozen) counts as failed; None: only
+      `step_timeout_s` applies.
     plan_ahead: plan step N+1 while step N runs when that cannot split the batch.
     trace_path, record_trace: write the event trace as JSON lines to a file,
       and/or keep it in memory (`engine.trace.records`).
@@ -106,6 +118,9 @@ class EngineConfig:
     start_timeout_s: float = attrs.field(default=600.0, validator=_positive)
     max_restarts: int = attrs.field(default=3, validator=_non_negative)
     restart_window_s: float = attrs.field(default=300.0, validator=_positive)
+    restart_backoff_s: float = attrs.field(default=0.5, validator=_non_negative)
+    restart_backoff_max_s: float = attrs.field(default=30.0, validator=_non_negative)
+    heartbeat_timeout_s: float | None = attrs.field(default=5.0, validator=_optional_positive)
     plan_ahead: bool = True
     trace_path: str | None = None
     record_trace: bool = False
@@ -268,6 +283,11 @@ class Engine:
         """Whether the engine refuses new requests."""
         return self.scheduler.closed_reason is not None
 
+    @property
+    def health(self) -> str:
+        """"ok", "degraded" (the executor is being restarted) or "closed"."""
+        return self.scheduler.health
+
     def generate(
         self,
         prompt: Prompt,
@@ -305,8 +325,8 @@ class Engine:
         await trio.lowlevel.checkpoint()
 
     def stats(self) -> StatsSummary:
-        """The scheduling core's counters."""
-        return self.scheduler.core.stats()
+        """The scheduling core's counters, with the executor's failures and restarts."""
+        return self.scheduler.stats()
 
     async def wait_idle(self) -> None:
         """Wait until every submitted request has completed."""
@@ -371,7 +391,7 @@ def _make_backend(config: EngineConfig, tokenizer: Tokenizer | None) -> Executor
     from . import executors  # the real backends pull in the model runner only when chosen
     if kind == "inprocess":
         return executors.InProcessExecutor()
-    return executors.ChildProcessExecutor()
+    return executors.ChildProcessExecutor(heartbeat_timeout_s=config.heartbeat_timeout_s)
 
 
 @asynccontextmanager
@@ -417,7 +437,10 @@ async def open_engine(config: EngineConfig | None = None, *,
                 core, backend, init, ready, nursery.start_soon,
                 step_timeout_s=config.step_timeout_s, start_timeout_s=config.start_timeout_s,
                 max_restarts=config.max_restarts, restart_window_s=config.restart_window_s,
-                plan_ahead=config.plan_ahead, trace=trace, on_step=on_step)
+                restart_backoff_s=config.restart_backoff_s,
+                restart_backoff_max_s=config.restart_backoff_max_s,
+                rng=random.Random(config.seed), plan_ahead=config.plan_ahead, trace=trace,
+                on_step=on_step)
             await nursery.start(scheduler.run)
             engine = Engine(config, scheduler, tokenizer, frozenset(ready.eos_token_ids),
                             ready.vocab_size, trace)

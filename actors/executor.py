@@ -10,14 +10,40 @@ the transport, not the protocol.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Container, Protocol, runtime_checkable
 
 from cadence.statemachine.errors import ExecutorError
+from cadence.statemachine.plan import StepPlan
+
+from .messages import ExecuteStep
 
 if TYPE_CHECKING:  # annotations only
-    from .messages import ExecuteStep, InitExecutor, Ready, StepOutput
+    from .messages import InitExecutor, Ready, StepOutput
 
-__all__ = ["ExecutorBackend", "ExecutorError"]
+__all__ = ["ExecutorBackend", "ExecutorError", "select_requests"]
+
+
+def select_requests(step: ExecuteStep, request_ids: Container[str], *, with_drops: bool = True) -> ExecuteStep:
+    """The part of `step` about `request_ids` alone, as a step of its own with the
+    same step id: a batch can be run as several executor calls, since the
+    executor's persistent batch is keyed by request.
+
+    with_drops: keep the plan's finished and preempted ids (send them with
+    exactly one of the parts).
+    """
+    plan = step.plan
+    scheduled = {rid: n for rid, n in plan.num_scheduled_tokens.items() if rid in request_ids}
+    part = StepPlan(
+        step_id=plan.step_id,
+        num_scheduled_tokens=scheduled,
+        total_num_scheduled_tokens=sum(scheduled.values()),
+        new_requests=[d for d in plan.new_requests if d.request_id in request_ids],
+        new_block_ids={rid: ids for rid, ids in plan.new_block_ids.items() if rid in request_ids},
+        preempted_ids=list(plan.preempted_ids) if with_drops else [],
+        finished_ids=list(plan.finished_ids) if with_drops else [],
+        resumed_ids=[rid for rid in plan.resumed_ids if rid in request_ids],
+    )
+    return ExecuteStep(part, {rid: p for rid, p in step.sampling.items() if rid in request_ids})
 
 
 @runtime_checkable

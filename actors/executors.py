@@ -31,6 +31,7 @@ import trio
 
 from cadence.statemachine.errors import ExecutorError, ProtocolError
 
+from .executor import select_requests
 from .executor_worker import ModelRunnerLike, RunnerFactory, build_runner, ready_from_runner, run_step
 from .framing import MAX_FRAME_BYTES, receive_frame, send_frame
 from .messages import (
@@ -101,14 +102,8 @@ def _strip_unencodable(step: ExecuteStep) -> tuple[ExecuteStep, dict[str, str]]:
     if not failed:
         return step, failed
     plan = step.plan
-    scheduled = {rid: n for rid, n in plan.num_scheduled_tokens.items() if rid not in failed}
-    plan = attrs.evolve(
-        plan, num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
-        new_requests=[d for d in plan.new_requests if d.request_id not in failed],
-        new_block_ids={rid: ids for rid, ids in plan.new_block_ids.items() if rid not in failed},
-        resumed_ids=[rid for rid in plan.resumed_ids if rid not in failed])
-    sampling = {rid: p for rid, p in step.sampling.items() if rid not in failed}
-    return ExecuteStep(plan, sampling), failed
+    keep = {*plan.num_scheduled_tokens, *plan.new_block_ids, *step.sampling} - failed.keys()
+    return select_requests(step, keep), failed
 
 
 def _encode_step(step: ExecuteStep) -> tuple[bytes, ExecuteStep, dict[str, str]]:

@@ -22,33 +22,53 @@ no cycle of full buffers to wait on.
 Supervision: a step that raises `ExecutorError`, outlives `step_timeout_s`,
 or answers for another step makes the core forget the executor
 (`executor_lost()`: running requests go back to waiting and are recomputed,
-the prefix cache is reset) and the executor is killed and started again.
-More than `max_restarts` failures within `restart_window_s` fail every live
-request and close the engine to new ones.
+the prefix cache is reset) and the executor is killed and started again,
+after a pause that doubles with each failure in a row (with jitter, up to
+`restart_backoff_max_s`). More than `max_restarts` counted failures within
+`restart_window_s` fail every live request and close the engine to new ones.
+
+Poison requests: a request the executor names in `StepOutput.failed` fails
+alone (`PoisonRequestError`) and the step's other results stand. A failure
+that names nobody makes its requests suspects: they are split in halves,
+each half run as an executor call of its own (the other requests in another)
+until failures narrow the blame to one request that also fails twice alone,
+which then fails with `PoisonRequestError`;
+the rest keep every token they had. A suspect that gets a token past the
+point where its step failed is cleared. Failures while isolating a culprit,
+and the failure that started it once a culprit is found and the executor has
+run a step since, do not count toward `max_restarts`; failures several in a
+row with no successful call between them count whatever they look like, so
+a broken executor still closes the engine.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import random
+import re
 from collections import deque
 from typing import Callable
 
+import attrs
 import trio
 from trio.lowlevel import Abort, current_task, reschedule, wait_task_rescheduled
 
 from cadence.statemachine.errors import (
-    CadenceError, EngineClosedError, ExecutorError, ProtocolError, RequestNotFoundError,
+    CadenceError, EngineClosedError, ExecutorError, PoisonRequestError, ProtocolError,
+    RequestNotFoundError,
 )
 from cadence.statemachine.fsm import RequestEventKind
-from cadence.statemachine.plan import RequestEvent, StepPlan
+from cadence.statemachine.plan import RequestEvent, StepPlan, StepResult
 from cadence.statemachine.scheduler import Scheduler
+from cadence.statemachine.stats import StatsSummary
 
-from .executor import ExecutorBackend
+from .executor import ExecutorBackend, select_requests
 from .messages import ExecuteStep, InitExecutor, Ready, StepOutput
 from .request_actor import RequestActor
 from .trace import TraceRecorder
 
-__all__ = ["SchedulerActor", "StepListener"]
+__all__ = ["SchedulerActor", "StepListener", "HEALTH_OK", "HEALTH_DEGRADED", "HEALTH_CLOSED"]
 
 # A step listener sees each non-empty plan as it is made, with the Trio time.
 StepListener = Callable[[StepPlan, float], None]
@@ -60,6 +80,27 @@ _EVENT_NAMES = {kind: kind.value for kind in RequestEventKind}
 _STALL_POLL_S = 0.01
 # Most seconds a kill may take before the restart goes ahead anyway.
 _KILL_TIMEOUT_S = 5.0
+# Failures of a suspect alone that make it the culprit: one could be a transient
+# fault striking twice; a fault that follows the request strikes every time.
+_CONVICTING_FAILURES = 2
+# Failures in a row (no successful executor call between them) that may go
+# uncounted while a culprit is isolated (a batch, then the culprit alone);
+# beyond this the executor itself is suspect.
+_MAX_UNCOUNTED_IN_A_ROW = 1 + _CONVICTING_FAILURES
+# Each restart pause is the previous one times this, before jitter.
+_BACKOFF_FACTOR = 2.0
+# A pause is drawn from [1 - J, 1 + J] times its nominal length, so that many
+# engines restarting at once do not retry in lockstep.
+_BACKOFF_JITTER = 0.25
+# Restart pauses remembered in `restart_delays_s`.
+_DELAY_LOG = 64
+
+# Step numbers and the like, left out when comparing two failures.
+_DIGITS = re.compile(r"\d+")
+
+_log = logging.getLogger("cadence.engine")
+
+HEALTH_OK, HEALTH_DEGRADED, HEALTH_CLOSED = "ok", "degraded", "closed"
 
 
 class SchedulerActor:
@@ -78,6 +119,9 @@ class SchedulerActor:
         start_timeout_s: float = 600.0,
         max_restarts: int = 3,
         restart_window_s: float = 300.0,
+        restart_backoff_s: float = 0.5,
+        restart_backoff_max_s: float = 30.0,
+        rng: random.Random | None = None,
         plan_ahead: bool = True,
         trace: TraceRecorder | None = None,
         on_step: StepListener | None = None,
@@ -93,13 +137,29 @@ class SchedulerActor:
         self.start_timeout_s = start_timeout_s
         self.max_restarts = max_restarts
         self.restart_window_s = restart_window_s
+        self.restart_backoff_s = restart_backoff_s
+        self.restart_backoff_max_s = restart_backoff_max_s
         self.plan_ahead = plan_ahead
         self.closed_reason: str | None = None
         self.num_restarts = 0
         self.num_failures = 0
         self.num_ignored_results = 0
         self.num_planned_ahead = 0
+        self.num_poisoned = 0
         self.last_failure = ""
+        self.restart_delays_s: deque[float] = deque(maxlen=_DELAY_LOG)
+        self._rng = rng if rng is not None else random.Random(0)
+        self._restarting = False
+        # Poison isolation: suspect groups (oldest first), each run as an executor
+        # call of its own; the tokens each suspect had when its step failed.
+        self._groups: list[list[str]] = []
+        self._marks: dict[str, int] = {}
+        # A suspect's failures in a group of its own, all alike, and what they looked like.
+        self._alone: dict[str, tuple[int, str]] = {}
+        self._num_in_a_row = 0  # failures since the last successful executor call
+        self._ran_since_isolation = True  # a call succeeded since the isolation began
+        self._origin_s: float | None = None  # the counted failure that began it
+        self._refunds: list[float] = []  # counted failures to forget once a call succeeds
         self._spawn = spawn
         self._inbox: deque = deque()
         self._inbox_task = None
@@ -143,6 +203,20 @@ class SchedulerActor:
             if self._idle is None:
                 self._idle = trio.Event()
             await self._idle.wait()
+
+    @property
+    def health(self) -> str:
+        """"closed" once given up or shut, "degraded" while the executor is being
+        restarted, else "ok"."""
+        if self.closed_reason is not None:
+            return HEALTH_CLOSED
+        return HEALTH_DEGRADED if self._restarting else HEALTH_OK
+
+    def stats(self) -> StatsSummary:
+        """The core's counters plus the executor's failures, restarts and poisoned requests."""
+        return attrs.evolve(self.core.stats(), num_executor_failures=self.num_failures,
+                            num_executor_restarts=self.num_restarts,
+                            num_poisoned_requests=self.num_poisoned)
 
     # ---- the tasks -------------------------------------------------------------
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -228,20 +302,87 @@ class SchedulerActor:
         return plan, ExecuteStep(plan, sampling)
 
     async def _run_step(self, plan: StepPlan, step: ExecuteStep) -> None:
+        if self._groups:
+            await self._run_isolated(plan, step)
+            return
         if self.plan_ahead and self._no_token_awaited(plan):
             outcome = await self._execute_and_plan_ahead(step)
         else:
             outcome = await self._execute(step)
         if type(outcome) is StepOutput:
             result = outcome.result
+            if outcome.failed and result.step_id == plan.step_id:
+                self._fail_named(outcome.failed)
             events = self.core.update(plan, result)
             self._route(events, plan.step_id)
             if result.step_id == plan.step_id:
+                if self._num_in_a_row or self._refunds or not self._ran_since_isolation:
+                    self._call_succeeded()
                 return
             # The core ignored an answer for another step; this step's answer is lost.
+            # No request can make the executor answer out of turn: nobody is to blame.
             self.num_ignored_results += 1
             outcome = f"executor answered step {result.step_id} when step {plan.step_id} was sent"
-        await self._recover(outcome)
+            await self._recover(outcome, [], None)
+            return
+        await self._recover(outcome, list(plan.num_scheduled_tokens), None)
+
+    async def _run_isolated(self, plan: StepPlan, step: ExecuteStep) -> None:
+        """Run a step as one executor call for the unsuspected requests, then one per
+        suspect group (oldest first), so that a failure names its group."""
+        groups = self._groups
+        member = {rid: i for i, group in enumerate(groups) for rid in group}
+        parts: dict[int | None, set[str]] = {}
+        for rid in (*plan.num_scheduled_tokens, *plan.new_block_ids):
+            parts.setdefault(member.get(rid), set()).add(rid)
+        order = sorted(parts, key=lambda index: -1 if index is None else index)
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list] = {}
+        failed: dict[str, str] = {}
+        execute_us = 0
+        failure: tuple[str, int | None, set[str]] | None = None
+        for n, index in enumerate(order):
+            part = select_requests(step, parts[index], with_drops=n == 0)
+            outcome = await self._execute(part)
+            if type(outcome) is not StepOutput:
+                failure = (outcome, index, parts[index])
+                break
+            problem = self._check_part(outcome, part.plan, parts[index])
+            if problem is not None:
+                failure = (problem, None, set())  # an answer out of turn blames nobody
+                break
+            result = outcome.result
+            sampled.update(result.sampled_token_ids)
+            logprobs.update(result.logprobs or {})
+            failed.update(outcome.failed)
+            execute_us += result.execute_us
+            self._call_succeeded()
+        if failed:
+            self._fail_named(failed)
+        result = StepResult(plan.step_id, sampled, logprobs or None, execute_us)
+        self._route(self.core.update(plan, result), plan.step_id)
+        self._clear_suspects()
+        if failure is not None:
+            reason, index, members = failure
+            group = None if index is None else groups[index]
+            await self._recover(reason, [rid for rid in plan.num_scheduled_tokens if rid in members], group)
+
+    def _check_part(self, output: StepOutput, plan: StepPlan, members: set[str]) -> str | None:
+        """Why `output` cannot be the answer to one part of a step, or None: calls of
+        one step share a step id, so an answer to another part is told by its requests."""
+        result = output.result
+        if result.step_id != plan.step_id:
+            self.num_ignored_results += 1
+            return f"executor answered step {result.step_id} when part of step {plan.step_id} was sent"
+        answered = result.sampled_token_ids.keys() | output.failed.keys()
+        requests = self.core.requests
+        awaited = {rid for rid in plan.num_scheduled_tokens
+                   if (r := requests.get(rid)) is not None and r.num_computed_tokens >= len(r.all_token_ids)}
+        if not answered <= members or not awaited <= answered:
+            self.num_ignored_results += 1
+            return (f"executor answered part of step {plan.step_id} for {sorted(answered - members)[:4]} "
+                    f"and not for {sorted(awaited - answered)[:4]}")
+        return None
 
     def _no_token_awaited(self, plan: StepPlan) -> bool:
         """Whether no request of `plan` will sample a token (all prefill chunks)."""
@@ -277,34 +418,147 @@ class SchedulerActor:
         return box[0]
 
     # ---- supervision -----------------------------------------------------------
-    async def _recover(self, reason: str) -> None:
-        """Forget the executor's state, then restart it or give up."""
+    async def _recover(self, reason: str, part: list[str], group: list[str] | None) -> None:
+        """Forget the executor's state, narrow down the blame, then restart it or give up.
+
+        part: the requests of the executor call that failed; group: the suspect
+        group that call ran (None: it ran unsuspected requests).
+        """
         core = self.core
         self._ahead = None
-        self.num_failures += 1
-        self.last_failure = reason
+        counted = self._note_failure(reason, counts=group is None)
+        self._blame(part, group, counted)
         self._route(core.executor_lost(), core.step_id)
-        while True:
-            if not self._may_restart(trio.current_time()):
-                self._give_up(reason)
-                return
-            with trio.move_on_after(_KILL_TIMEOUT_S):
-                await self.backend.kill()
-            try:
-                with trio.fail_after(self.start_timeout_s):
-                    ready = await self.backend.start(self.init)
-            except (ExecutorError, ProtocolError) as exc:
-                reason = f"restart failed: {exc}"
-            except trio.TooSlowError:
-                reason = f"restart did not finish within {self.start_timeout_s} s"
-            else:
-                if ready.num_blocks >= core.blocks.num_blocks and ready.block_size == core.blocks.block_size:
-                    self.num_restarts += 1
+        self._restarting = True
+        try:
+            while True:
+                if counted and not self._may_restart(trio.current_time()):
+                    self._give_up(reason)
                     return
-                reason = (f"restarted executor has {ready.num_blocks} blocks of {ready.block_size}, "
-                          f"the scheduler needs {core.blocks.num_blocks} of {core.blocks.block_size}")
-            self.num_failures += 1
-            self.last_failure = reason
+                await trio.sleep(self._backoff_s())
+                with trio.move_on_after(_KILL_TIMEOUT_S):
+                    await self.backend.kill()
+                try:
+                    with trio.fail_after(self.start_timeout_s):
+                        ready = await self.backend.start(self.init)
+                except (ExecutorError, ProtocolError) as exc:
+                    reason = f"restart failed: {exc}"
+                except trio.TooSlowError:
+                    reason = f"restart did not finish within {self.start_timeout_s} s"
+                else:
+                    if ready.num_blocks >= core.blocks.num_blocks and ready.block_size == core.blocks.block_size:
+                        self.num_restarts += 1
+                        _log.info("executor restarted (restart %d)", self.num_restarts)
+                        return
+                    reason = (f"restarted executor has {ready.num_blocks} blocks of {ready.block_size}, "
+                              f"the scheduler needs {core.blocks.num_blocks} of {core.blocks.block_size}")
+                counted = self._note_failure(reason, counts=True)
+        finally:
+            self._restarting = False
+
+    def _note_failure(self, reason: str, counts: bool) -> bool:
+        """Log and count one executor failure; whether it counts toward max_restarts."""
+        self.num_failures += 1
+        self._num_in_a_row += 1
+        self.last_failure = reason
+        counted = counts or self._num_in_a_row > _MAX_UNCOUNTED_IN_A_ROW
+        _log.warning("executor failure %d (%d in a row%s): %s", self.num_failures, self._num_in_a_row,
+                     "" if counted else ", isolating a request", reason)
+        return counted
+
+    def _backoff_s(self) -> float:
+        """The pause before the next restart: doubling with each failure in a row, jittered, bounded."""
+        nominal = self.restart_backoff_s * _BACKOFF_FACTOR ** max(0, self._num_in_a_row - 1)
+        jitter = 1.0 + _BACKOFF_JITTER * (2.0 * self._rng.random() - 1.0)
+        delay = min(self.restart_backoff_max_s, nominal * jitter)
+        self.restart_delays_s.append(delay)
+        return delay
+
+    def _call_succeeded(self) -> None:
+        """An executor call answered: failures are no longer in a row, and the
+        counted failures of isolations that found their culprit are forgotten."""
+        self._num_in_a_row = 0
+        self._ran_since_isolation = True
+        times = self._failure_times
+        for at in self._refunds:
+            if at in times:
+                times.remove(at)
+        self._refunds.clear()
+
+    def _blame(self, part: list[str], group: list[str] | None, counted: bool) -> None:
+        """Split the failed call's live requests into halves that run apart from now
+        on; a suspect group of one that failed again holds the culprit (unless so
+        many calls failed in a row that the executor itself is suspect)."""
+        core = self.core
+        live = [rid for rid in part if rid in core.requests]
+        for rid in live:
+            self._marks[rid] = len(core.requests[rid].all_token_ids)
+        if group is not None:
+            self._groups = [g for g in self._groups if g is not group]
+            if len(live) == 1:
+                rid = live[0]
+                # A fault that follows a request fails the same way each time; a
+                # different failure starts the count again.
+                signature = _DIGITS.sub("#", self.last_failure)
+                count, seen = self._alone.get(rid, (0, signature))
+                alone = count + 1 if seen == signature else 1
+                self._alone[rid] = (alone, signature)
+                if alone >= _CONVICTING_FAILURES and not counted:
+                    self._convict(rid)
+                    return
+        elif not self._groups:
+            self._ran_since_isolation = False
+            # The time `_may_restart` is about to record for this failure.
+            self._origin_s = trio.current_time() if counted else None
+        half = (len(live) + 1) // 2
+        self._groups.extend(g for g in (live[:half], live[half:]) if g)
+
+    def _convict(self, request_id: str) -> None:
+        """Fail the request that made the executor fail twice, the second time alone."""
+        detail = (f"request {request_id!r} makes the executor fail: it failed in a batch, then "
+                  f"{self._alone[request_id][0]} times alone (last: {self.last_failure})")
+        if self._ran_since_isolation:
+            error: ExecutorError = PoisonRequestError(detail)
+            if self._origin_s is not None:
+                self._refunds.append(self._origin_s)
+                self._origin_s = None
+        else:
+            # Nothing else ran since: the executor may be what fails, so this is no verdict.
+            error = ExecutorError(detail)
+        self._fail_poisoned(request_id, error, detail)
+
+    def _fail_named(self, failed: dict[str, str]) -> None:
+        """Fail the requests the executor could not serve; nothing else is touched."""
+        for request_id, why in failed.items():
+            if request_id in self.actors and request_id in self.core.requests:
+                detail = f"request {request_id!r} failed in the executor: {why}"
+                self._fail_poisoned(request_id, PoisonRequestError(detail), detail)
+        ahead = self._ahead
+        if ahead is not None and not failed.keys().isdisjoint(ahead[0].num_scheduled_tokens):
+            # The step planned ahead goes out after this one; the executor no longer has them.
+            plan, step = ahead
+            keep = {*plan.num_scheduled_tokens, *plan.new_block_ids, *step.sampling} - failed.keys()
+            self._ahead = (plan, select_requests(step, keep))
+
+    def _fail_poisoned(self, request_id: str, error: ExecutorError, detail: str) -> None:
+        self.num_poisoned += 1
+        self._marks.pop(request_id, None)
+        self._alone.pop(request_id, None)
+        _log.warning("failing request %s alone: %s", request_id, detail)
+        self.actors[request_id].close_stream(error)
+        self._route([self.core.fail_request(request_id, detail)], self.core.step_id)
+
+    def _clear_suspects(self) -> None:
+        """Drop suspects that completed or got a token past the point their step failed at."""
+        requests, marks = self.core.requests, self._marks
+        for rid in list(marks):
+            request = requests.get(rid)
+            if request is None or len(request.all_token_ids) > marks[rid]:
+                del marks[rid]
+                self._alone.pop(rid, None)
+        for group in self._groups:
+            group[:] = [rid for rid in group if rid in marks]  # in place: a failure may name it
+        self._groups = [group for group in self._groups if group]
 
     def _may_restart(self, now: float) -> bool:
         times = self._failure_times
@@ -319,6 +573,7 @@ class SchedulerActor:
         """Fail every live request and refuse new ones."""
         self.closed_reason = (f"executor failed {len(self._failure_times) + 1} times within "
                               f"{self.restart_window_s} s; last failure: {reason}")
+        _log.error("engine closed: %s", self.closed_reason)
         error = EngineClosedError(self.closed_reason)
         for actor in self._inbox:
             if isinstance(actor, RequestActor):
@@ -327,6 +582,9 @@ class SchedulerActor:
         core = self.core
         for request_id in list(self.actors):
             self._route([core.fail_request(request_id, self.closed_reason)], core.step_id)
+        self._groups.clear()
+        self._marks.clear()
+        self._alone.clear()
         self._check_idle()
 
     # ---- routing ---------------------------------------------------------------

@@ -30,7 +30,8 @@ from cadence.statemachine.plan import StepPlan, StepResult
 from .executor_worker import fabricated_logprobs
 from .messages import ExecuteStep, InitExecutor, Ready, StepOutput
 
-__all__ = ["LatencyModel", "ZERO_LATENCY", "Fault", "FaultPlan", "SimulatedExecutor", "simulated_token"]
+__all__ = ["LatencyModel", "ZERO_LATENCY", "Fault", "Poison", "FaultPlan", "SimulatedExecutor",
+           "simulated_token"]
 
 _MASK64 = (1 << 64) - 1
 # Results remembered for replaying as stale answers.
@@ -108,6 +109,20 @@ class Fault(enum.Enum):
     STALE = "stale"
 
 
+class Poison(enum.Enum):
+    """How the executor fails whenever one given request is in a step: a fault
+    that follows a request, not the executor.
+
+    CRASH: the step raises ExecutorError, naming no request.
+    HANG: the step never answers.
+    REPORTED: the executor names the request in `StepOutput.failed` and serves the rest.
+    """
+
+    CRASH = "crash"
+    HANG = "hang"
+    REPORTED = "reported"
+
+
 @attrs.frozen
 class FaultPlan:
     """Which execute calls misbehave.
@@ -118,6 +133,8 @@ class FaultPlan:
     slow_factor: latency multiplier of a SLOW call.
     fail_starts: start call numbers (0 is the first start) that raise ExecutorError.
     heal_after: calls from this number on never fault (None: no healed phase).
+    poison: request id -> how every execute call that schedules it fails
+      (whatever `heal_after` says: the fault follows the request).
     """
 
     at: Mapping[int, Fault] = attrs.field(factory=dict)
@@ -126,6 +143,7 @@ class FaultPlan:
     slow_factor: float = attrs.field(default=10.0, validator=attrs.validators.ge(1.0))
     fail_starts: frozenset[int] = attrs.field(default=frozenset(), converter=frozenset)
     heal_after: int | None = None
+    poison: Mapping[str, Poison] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
         if any(p < 0 for p in self.probabilities.values()) or sum(self.probabilities.values()) > 1:
@@ -247,10 +265,13 @@ class SimulatedExecutor:
         fault = self.faults.fault_for(call) if self.faults is not None else None
         if fault is not None:
             self.injected.append((call, fault))
-        if fault is Fault.CRASH:
+        poison = self._poison_in(step.plan)
+        if fault is Fault.CRASH or poison is Poison.CRASH:
             self._alive = False
             self._batch.clear()
             raise ExecutorError(f"simulated crash in step {step.plan.step_id}")
+        if poison is Poison.HANG:
+            await trio.sleep_forever()
         output, step_us = self._run(step.plan, step.sampling)
         if fault is Fault.HANG:
             await trio.sleep_forever()
@@ -278,6 +299,17 @@ class SimulatedExecutor:
         """Shut down."""
         await self.kill()
 
+    def _poison_in(self, plan: StepPlan) -> Poison | None:
+        """The worst poison among the plan's requests (a crash or hang beats a report)."""
+        poison = self.faults.poison if self.faults is not None else None
+        if not poison:
+            return None
+        found = {poison[rid] for rid in plan.num_scheduled_tokens if rid in poison}
+        for kind in (Poison.CRASH, Poison.HANG, Poison.REPORTED):
+            if kind in found:
+                return kind
+        return None
+
     def _run(self, plan: StepPlan, sampling: Mapping | None = None) -> tuple[StepOutput, float]:
         batch = self._batch
         for rid in plan.finished_ids:
@@ -300,8 +332,14 @@ class SimulatedExecutor:
         block_size, token_fn = self._block_size, self.token_fn
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[list[tuple[int, float]]]] = {}
+        failed: dict[str, str] = {}
+        poison = self.faults.poison if self.faults is not None else {}
         num_prefill = num_decode = 0
         for rid, n in plan.num_scheduled_tokens.items():
+            if poison.get(rid) is Poison.REPORTED:
+                batch.pop(rid, None)
+                failed[rid] = "simulated sampling error"
+                continue
             seq = batch.get(rid)
             if seq is None:
                 self._protocol_violation(f"plan schedules request {rid!r} not in the batch")
@@ -326,7 +364,8 @@ class SimulatedExecutor:
                 if seq.logprobs is not None:
                     logprobs[rid] = [fabricated_logprobs(token, seq.logprobs, vocab)]
         step_us = self.latency.step_us(num_prefill, num_decode)
-        return StepOutput(StepResult(plan.step_id, sampled, logprobs or None, int(step_us))), step_us
+        result = StepResult(plan.step_id, sampled, logprobs or None, int(step_us))
+        return StepOutput(result, failed), step_us
 
     def _protocol_violation(self, message: str) -> None:
         self._alive = False

@@ -511,32 +511,40 @@ class Output:
 class Error:
     """Something went wrong. With `stream` set, that stream has ended; with
     `fatal` set, the server closes the connection right after this frame.
-    `limit` names the configured limit that was hit, if one was."""
+    `limit` names the configured limit that was hit, if one was. `poison` is
+    set when the engine found the request itself to be what makes its executor
+    fail: sending it again (to any server) fails the same way."""
 
     code: str
     message: str
     stream: int | None = None
     limit: str | None = None
     fatal: bool = False
+    poison: bool = False
 
     TYPE: ClassVar[str] = "Error"
     _FIELDS: ClassVar[frozenset] = frozenset({"code", "message", "stream", "limit", "fatal"})
+    _OPTIONAL: ClassVar[frozenset] = frozenset({"poison"})
 
     def to_wire(self) -> dict[str, Any]:
-        """The msgpack payload map."""
-        return {"code": self.code, "message": self.message, "stream": self.stream,
-                "limit": self.limit, "fatal": self.fatal}
+        """The msgpack payload map (`poison` only when set)."""
+        out = {"code": self.code, "message": self.message, "stream": self.stream,
+               "limit": self.limit, "fatal": self.fatal}
+        if self.poison:
+            out["poison"] = True
+        return out
 
     @classmethod
     def from_wire(cls, payload: object) -> Error:
         """Validate a payload map and build the message; raises MessageError."""
-        m = _fields(payload, "Error", cls._FIELDS)
+        m = _fields(payload, "Error", cls._FIELDS, cls._OPTIONAL)
         return cls(
             code=_str(m["code"], "Error.code"),
             message=_str(m["message"], "Error.message"),
             stream=_optional(_int, m["stream"], "Error.stream", 0, MAX_ID),
             limit=_optional(_str, m["limit"], "Error.limit"),
             fatal=_bool(m["fatal"], "Error.fatal"),
+            poison=_bool(m.get("poison", False), "Error.poison"),
         )
 
 
@@ -736,16 +744,19 @@ class ServerError(CadenceError):
 
     code: the ErrorCode value; limit: the configured limit that was hit (or
     None); stream: the stream it ended (or None); fatal: the server closed the
-    connection after sending it.
+    connection after sending it; poison: the request itself makes the
+    executor fail, so it must not be retried.
     """
 
     def __init__(self, message: str, code: str = ErrorCode.INTERNAL.value, *,
-                 limit: str | None = None, stream: int | None = None, fatal: bool = False) -> None:
+                 limit: str | None = None, stream: int | None = None, fatal: bool = False,
+                 poison: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.limit = limit
         self.stream = stream
         self.fatal = fatal
+        self.poison = poison
 
     def __str__(self) -> str:
         text = self.args[0] if self.args else ""
@@ -830,4 +841,5 @@ _ERROR_CLASSES: dict[str, type[ServerError]] = {
 def error_from_frame(frame: Error) -> ServerError:
     """The exception a client raises for an Error frame (unknown codes give ServerError)."""
     cls = _ERROR_CLASSES.get(frame.code, ServerError)
-    return cls(frame.message, frame.code, limit=frame.limit, stream=frame.stream, fatal=frame.fatal)
+    return cls(frame.message, frame.code, limit=frame.limit, stream=frame.stream, fatal=frame.fatal,
+               poison=frame.poison)

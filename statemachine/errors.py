@@ -51,6 +51,11 @@ class ExecutorError(CadenceError):
     """The executor failed a step, died, or stopped answering."""
 
 
+class PoisonRequestError(ExecutorError):
+    """The executor fails on this request and on no other: the request itself
+    causes the failure, so running it again (here or elsewhere) fails the same way."""
+
+
 class EngineClosedError(CadenceError):
     """The engine is shutting down or has shut down."""
 
@@ -90,6 +95,7 @@ __all__ = [
     "IllegalTransition",
     "ProtocolError",
     "ExecutorError",
+    "PoisonRequestError",
     "EngineClosedError",
     "CheckpointError",
     "CheckpointFileNotFoundError",

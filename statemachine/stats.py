@@ -16,7 +16,10 @@ class StatsSummary:
     """A snapshot of the scheduler's counters.
 
     wait is from arrival to first scheduled step; elapsed runs from the first to
-    the last time the caller passed in. Rates are per second of that span.
+    the last time the caller passed in. Rates are per second of that span. The
+    executor counts are filled in by the engine (the core sees no executor):
+    failed calls and start-ups, restarts, and requests failed alone as the
+    cause of a failure.
     """
 
     num_requests_added: int
@@ -40,6 +43,10 @@ class StatsSummary:
     kv_usage: float
     num_running: int
     num_waiting: int
+    # Counted by the scheduler actor, which supervises the executor.
+    num_executor_failures: int = 0
+    num_executor_restarts: int = 0
+    num_poisoned_requests: int = 0
 
     def as_dict(self) -> dict:
         return attrs.asdict(self)
@@ -61,6 +68,8 @@ class StatsSummary:
             f"preemptions:           {self.num_preemptions} ({self.num_recompute_tokens} tokens recomputed)",
             f"prefix cache:          {self.num_prefix_hit_tokens}/{self.num_prefix_query_tokens} tokens hit",
             f"KV usage:              {self.kv_usage:.1%}",
+            f"executor:              {self.num_executor_failures} failures, "
+            f"{self.num_executor_restarts} restarts, {self.num_poisoned_requests} requests failed alone",
         ]
         return "\n".join(lines)
 

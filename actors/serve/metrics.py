@@ -59,6 +59,8 @@ METRIC_NAMES = (
     "cadence_e2e_request_latency_seconds",
     "cadence_request_queue_time_seconds",
     "cadence_scheduled_tokens_per_step",
+    "cadence_executor_failures_total",
+    "cadence_executor_restarts_total",
 )
 
 # The most bytes of an HTTP request head the endpoint reads, and how long it waits for it.
@@ -254,6 +256,12 @@ class _CoreCollector:
         yield CounterMetricFamily("cadence_prefix_cache_hit_tokens",
                                   "Prompt tokens found in the prefix cache.",
                                   value=blocks.num_hit_tokens)
+        scheduler = engine.scheduler
+        yield CounterMetricFamily("cadence_executor_failures",
+                                  "Executor steps and start-ups that failed (crash, hang, error).",
+                                  value=scheduler.num_failures)
+        yield CounterMetricFamily("cadence_executor_restarts",
+                                  "Executor restarts that succeeded.", value=scheduler.num_restarts)
 
 
 async def serve_metrics(metrics: ServerMetrics, host: str = "127.0.0.1", port: int = 0, *,

@@ -86,7 +86,8 @@ ROUTER_NAME = "cadence-router/0.1"
 TEXT_BYTES_PER_TOKEN = 4
 _READ_BYTES = 1 << 16
 # Error codes after which a request that has produced no output is placed
-# again: the replica could not take it, through no fault of the request.
+# again: the replica could not take it, through no fault of the request (an
+# Error flagged `poison` says the request was the fault, and is never retried).
 _RETRY_CODES = frozenset({
     ErrorCode.QUEUE_FULL.value, ErrorCode.ENGINE_CLOSED.value, ErrorCode.SHUTDOWN.value,
     ErrorCode.EXECUTOR_ERROR.value,
@@ -1106,10 +1107,11 @@ class _RouterConnection:
             if exc.code in _REPLICA_DOWN_CODES:
                 self.router.replica_failed(replica, client)
                 self._lost(state, replica, exc)
-            if exc.code in _RETRY_CODES and not state.streamed and not state.abort_requested:
+            if (exc.code in _RETRY_CODES and not exc.poison and not state.streamed
+                    and not state.abort_requested):
                 raise _Retry(f"replica {replica.name}: {exc}", exc.code) from None
             raise _Refused(Error(exc.code, exc.args[0] if exc.args else str(exc),
-                                 stream=state.stream, limit=exc.limit)) from None
+                                 stream=state.stream, limit=exc.limit, poison=exc.poison)) from None
         except (ConnectionClosedError, ClientTimeoutError) as exc:
             self.router.replica_failed(replica, client)
             self._lost(state, replica, exc)

@@ -43,7 +43,7 @@ import attrs
 import trio
 
 from cadence.statemachine.errors import (
-    CadenceError, ConfigError, EngineClosedError, ExecutorError, InvalidRequestError,
+    CadenceError, ConfigError, EngineClosedError, ExecutorError, InvalidRequestError, PoisonRequestError,
     QueueFullError, RequestNotFoundError, RequestTooLongError,
 )
 
@@ -422,7 +422,7 @@ class Server:
     def health(self, ref: int) -> HealthReply:
         """The answer to a Health query."""
         engine = self.engine
-        status = "closed" if engine.closed else "draining" if self.draining else "ok"
+        status = "closed" if engine.closed else "draining" if self.draining else engine.health
         core = engine.core
         return HealthReply(ref=ref, status=status, num_running=core.num_running,
                            num_waiting=core.num_waiting, kv_usage=core.blocks.usage,
@@ -834,7 +834,8 @@ class _Connection:
                 error = Error(ErrorCode.SHUTDOWN.value,
                               "the server shut down before the request finished", stream=state.stream)
         except CadenceError as exc:
-            error = Error(_engine_error_code(exc, server.draining).value, str(exc), stream=state.stream)
+            error = Error(_engine_error_code(exc, server.draining).value, str(exc), stream=state.stream,
+                          poison=isinstance(exc, PoisonRequestError))
         except Exception:
             _log.exception("stream %d of connection %d failed", state.stream, self.conn_id)
             error = Error(ErrorCode.INTERNAL.value, "internal server error", stream=state.stream)

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import trio
 
-from cadence.actors import EngineClosedError, ExecutorError, SamplingParams, open_engine
+from cadence.actors import (
+    EngineClosedError, ExecutorError, PoisonRequestError, SamplingParams, open_engine,
+)
 from cadence.actors.simulated import Fault, FaultPlan
 from engine_helpers import config, text_executor
 
@@ -102,7 +104,9 @@ async def test_too_many_failures_fail_every_request_and_close_the_engine(autojum
                     pass
             except ExecutorError as exc:
                 errors[rid] = str(exc)
+                kinds[rid] = exc
 
+        kinds = {}
         async with trio.open_nursery() as nursery:
             for i in range(4):
                 nursery.start_soon(one, f"r{i}")
@@ -111,6 +115,14 @@ async def test_too_many_failures_fail_every_request_and_close_the_engine(autojum
         with pytest.raises(EngineClosedError, match="failed 3 times"):
             await engine.submit("again")
     assert sorted(errors) == ["r0", "r1", "r2", "r3"]
-    assert all("executor failed 3 times" in message for message in errors.values())
+    # Isolation may blame a request that failed alone before the engine gives up, but as
+    # nothing else ran in between that is no verdict: the error is a plain ExecutorError.
+    closed = [rid for rid, message in errors.items() if "executor failed 3 times" in message]
+    isolated = [rid for rid, message in errors.items() if "makes the executor fail" in message]
+    assert sorted(closed + isolated) == ["r0", "r1", "r2", "r3"] and len(closed) >= 2
+    assert not any(isinstance(exc, PoisonRequestError) for exc in kinds.values())
     assert sorted(events_of(engine, "fail")) == ["r0", "r1", "r2", "r3"]
-    assert engine.scheduler.num_restarts == 2
+    # Two counted restarts (max_restarts), and at most two more while a request
+    # looked like the cause: failures in a row beyond that count whatever they look like.
+    scheduler = engine.scheduler
+    assert scheduler.num_restarts == scheduler.num_failures - 1 <= 2 + 2
