@@ -277,7 +277,10 @@ class ChildProcessExecutor:
     async def start(self, init: InitExecutor) -> Ready:
         """Spawn a fresh child (killing any previous one), send InitExecutor and wait for Ready."""
         await self.kill()
-        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        except OSError as exc:  # out of file descriptors, typically
+            raise ExecutorError(f"could not open a socket to the executor process: {exc}") from exc
         command = [*self._command, "--fd", str(child_sock.fileno())]
         if self._heartbeat_timeout_s is not None:
             interval_s = self._heartbeat_timeout_s / HEARTBEATS_PER_TIMEOUT

@@ -258,6 +258,7 @@ class ModelRunner:
             self.model.set_fused_elementwise(True)
         self.sampler = Sampler(model_config.eos_token_ids, seed=seed, device=self.device)
         self._requests: dict[str, CachedRequestState] = {}
+        self._failed: dict[str, str] = {}
         self._max_blocks_per_seq = -(-self.max_model_len // block_size)
         self._block_table = torch.zeros(max_num_seqs, self._max_blocks_per_seq, dtype=torch.int32)
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
@@ -348,6 +349,11 @@ class ModelRunner:
             self._free_rows.append(state.row)
         self._requests.clear()
 
+    def take_failed(self) -> dict[str, str]:
+        """The requests the last step could not serve, with why; each was dropped from the batch."""
+        failed, self._failed = self._failed, {}
+        return failed
+
     def enable_gpu_timing(self) -> GpuTimer:
         """Start measuring each step's device time (CUDA only); returns the timer that sums it."""
         if self.device.type != "cuda":
@@ -358,6 +364,7 @@ class ModelRunner:
     def execute(self, plan: StepPlan, sampling_params: Mapping[str, SamplingParams]) -> StepResult:
         """Apply the plan's deltas, compute its scheduled tokens, sample where a request reached its end."""
         start_ns = time.perf_counter_ns()
+        self._failed = {}
         self._apply_deltas(plan, sampling_params)
         scheduled = self._scheduled_requests(plan)
         if not scheduled:
@@ -379,7 +386,10 @@ class ModelRunner:
             else:
                 logits = self._eager_logits(batch, sample_seqs)
             states = [scheduled[i][0] for i in sample_seqs]
-            tokens, logprobs = self._sample(logits, states) if states else ([], [])
+            try:
+                tokens, logprobs = self._sample(logits, states) if states else ([], [])
+            except Exception as exc:
+                tokens, logprobs, states = self._sample_each(logits, states, exc)
             if self.gpu_timer is not None:
                 self.gpu_timer.stop()
         for state, n in scheduled:
@@ -483,6 +493,27 @@ class ModelRunner:
             return logits[:num_seqs]
         return logits[torch.tensor(sample_seqs, dtype=torch.int64).to(self.device)]
 
+    def _sample_each(self, logits: torch.Tensor, states: list[CachedRequestState], error: Exception):
+        """Sample row by row after the batched sampler raised `error`: the rows that
+        fail alone are reported and dropped, the others keep their tokens. If every
+        row fails, the fault is not theirs and the step fails with `error`."""
+        tokens, logprobs, kept, failed = [], [], [], {}
+        for i, state in enumerate(states):
+            try:
+                row_tokens, row_logprobs = self._sample(logits[i : i + 1], [state])
+            except Exception as exc:
+                failed[state.request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
+                continue
+            tokens += row_tokens
+            logprobs += row_logprobs
+            kept.append(state)
+        if not kept:
+            raise error
+        for request_id, why in failed.items():
+            self._failed[request_id] = why
+            self._drop(request_id)
+        return tokens, logprobs, kept
+
     def _sample(self, logits: torch.Tensor, states: list[CachedRequestState]):
         """Tokens (and logprobs, None per row where not asked) for logits [len(states), vocab]."""
         if all(s.plain_greedy and len(s.token_ids) - s.num_prompt_tokens >= s.num_masked_outputs for s in states):
@@ -514,6 +545,11 @@ class ModelRunner:
                 )
             self._check_block_ids(plan, new.request_id, new.block_ids)
             self._drop(new.request_id)
+            bad = self._foreign_token(new.token_ids)
+            if bad is not None:
+                self._failed[new.request_id] = (
+                    f"token id {bad} is outside the model's vocabulary [0, {self.vocab_size})")
+                continue
             state = self._new_state(new.request_id, list(new.token_ids), new.num_prompt_tokens,
                                     new.num_computed_tokens, params)
             self._requests[new.request_id] = state
@@ -522,6 +558,12 @@ class ModelRunner:
             state = self._state(plan, request_id)
             self._check_block_ids(plan, request_id, block_ids)
             self._append_blocks(state, block_ids)
+
+    def _foreign_token(self, token_ids: Sequence[int]) -> int | None:
+        """A token id the embedding cannot look up (on a GPU it would fault the device), or None."""
+        if token_ids and (min(token_ids) < 0 or max(token_ids) >= self.vocab_size):
+            return next(t for t in token_ids if not 0 <= t < self.vocab_size)
+        return None
 
     def _new_state(self, request_id: str, token_ids: list[int], num_prompt_tokens: int,
                    num_computed_tokens: int, params: SamplingParams) -> CachedRequestState:
@@ -575,6 +617,8 @@ class ModelRunner:
         scheduled = []
         for request_id, n in plan.num_scheduled_tokens.items():
             state = requests.get(request_id)
+            if state is None and request_id in self._failed:
+                continue  # refused at input preparation this step
             if state is None:
                 raise ExecutorError(f"step {plan.step_id}: request {request_id!r} is not in the executor's batch")
             end = state.num_computed_tokens + n

@@ -439,12 +439,16 @@ def _replay_trace(trace: list[dict]) -> dict[str, list[dict]]:
 
 
 def heal_time(report: Report) -> float:
-    """When the first execute call that no fault can strike began (the start if none)."""
+    """When the first execute call that no fault can strike began (the start if none),
+    or when the last poison request completed, if that is later."""
     limit = report.scenario.num_fault_calls
     times = report.executor.call_times
-    if limit == 0:
-        return report.start_s
-    return times[limit] if len(times) > limit else math.inf
+    healed = report.start_s if limit == 0 else times[limit] if len(times) > limit else math.inf
+    poison = report.scenario.faults.poison
+    for rec in report.trace:
+        if rec["request_id"] in poison and rec["reason"] is not None:
+            healed = max(healed, rec["t"])
+    return healed
 
 
 def check_liveness(report: Report) -> None:
