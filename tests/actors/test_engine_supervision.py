@@ -126,3 +126,74 @@ async def test_too_many_failures_fail_every_request_and_close_the_engine(autojum
     # looked like the cause: failures in a row beyond that count whatever they look like.
     scheduler = engine.scheduler
     assert scheduler.num_restarts == scheduler.num_failures - 1 <= 2 + 2
+
+
+class StartRecorder(type(text_executor())):
+    """A simulated executor that notes the virtual time of every start."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.start_times: list[float] = []
+
+    async def start(self, init):
+        self.start_times.append(trio.current_time())
+        return await super().start(init)
+
+
+def recording_executor(faults: FaultPlan) -> StartRecorder:
+    base = text_executor()
+    return StartRecorder(base.latency, vocab_size=base.vocab_size, eos_token_id=base.eos_token_id,
+                         faults=faults, sample_ids=base.sample_ids)
+
+
+async def test_restarts_that_keep_failing_back_off_exponentially_and_boundedly(autojump_clock):
+    """An executor that cannot be started again (as when the process is out of file
+    descriptors) no longer burns every restart at once: the pauses double, with
+    jitter, up to the maximum, and virtual time really passes between the attempts."""
+    executor = recording_executor(FaultPlan(at={2: Fault.CRASH}, fail_starts=set(range(1, 7))))
+    cfg = config(executor, max_restarts=10, restart_backoff_s=0.5, restart_backoff_max_s=4.0)
+    async with open_engine(cfg) as engine:
+        tokens = await run_requests(engine, 2, 5)
+        delays = list(engine.scheduler.restart_delays_s)
+        assert engine.stats().num_executor_failures == 7 and engine.stats().num_executor_restarts == 1
+    assert all(out == expected(executor, rid, 5) for rid, out in tokens.items())
+    assert len(delays) == 7
+    for n, delay in enumerate(delays):
+        nominal = 0.5 * 2 ** n
+        assert 0.75 * min(nominal, 4.0 / 0.75) <= delay <= min(4.0, 1.25 * nominal)
+    assert delays[-1] <= 4.0 and delays[-1] > delays[0] * 4
+    gaps = [b - a for a, b in zip(executor.start_times[1:], executor.start_times[2:])]
+    assert all(gap >= delay - 1e-9 for gap, delay in zip(gaps, delays[1:]))
+    assert sum(gaps) > 10.0  # where there were milliseconds before
+
+
+async def test_restart_pauses_are_drawn_from_the_engine_seed(autojump_clock):
+    async def delays_for(seed: int) -> list[float]:
+        executor = text_executor(faults=FaultPlan(at={2: Fault.CRASH}, fail_starts={1, 2, 3}))
+        async with open_engine(config(executor, max_restarts=10, seed=seed)) as engine:
+            await run_requests(engine, 1, 4)
+            return list(engine.scheduler.restart_delays_s)
+
+    first, again, other = await delays_for(1), await delays_for(1), await delays_for(2)
+    assert first == again and first != other
+
+
+async def test_health_is_degraded_while_the_executor_restarts(autojump_clock):
+    executor = text_executor(faults=FaultPlan(at={2: Fault.CRASH}, fail_starts={1}))
+    seen: list[str] = []
+    async with open_engine(config(executor, restart_backoff_s=1.0)) as engine:
+        assert engine.health == "ok"
+
+        async def watch() -> None:
+            while True:
+                if not seen or seen[-1] != engine.health:
+                    seen.append(engine.health)
+                await trio.sleep(0.05)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+            await run_requests(engine, 2, 5)
+            await trio.sleep(0.1)
+            nursery.cancel_scope.cancel()
+        assert engine.health == "ok"
+    assert seen == ["ok", "degraded", "ok"]

@@ -1,0 +1,134 @@
+"""Poison requests: a fault that follows one request fails that request alone.
+
+With the simulated executor (virtual time): a failure the executor names costs
+no restart; an anonymous crash or hang is bisected until the culprit fails
+alone; the others keep every token; such failures do not use up max_restarts.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from cadence.actors import ExecutorError, PoisonRequestError, SamplingParams, open_engine
+from cadence.actors.simulated import Fault, FaultPlan, Poison
+from engine_helpers import config, text_executor
+
+MAX_TOKENS = 6
+
+
+async def run_all(engine, request_ids: list[str], stagger_s: float = 0.0) -> dict[str, object]:
+    """Each request's tokens, or the exception it ended with."""
+    outcomes: dict[str, object] = {}
+
+    async def one(rid: str, delay_s: float) -> None:
+        await trio.sleep(delay_s)
+        tokens: list[int] = []
+        try:
+            async for delta in engine.generate(f"prompt {rid}", SamplingParams(max_tokens=MAX_TOKENS),
+                                               request_id=rid):
+                tokens.extend(delta.token_ids)
+            outcomes[rid] = tokens
+        except ExecutorError as exc:
+            outcomes[rid] = exc
+
+    async with trio.open_nursery() as nursery:
+        for i, rid in enumerate(request_ids):
+            nursery.start_soon(one, rid, i * stagger_s)
+    return outcomes
+
+
+def expected(executor, rid: str) -> list[int]:
+    prompt_len = len(f"prompt {rid}")
+    return [executor.expected_token(rid, prompt_len + k) for k in range(MAX_TOKENS)]
+
+
+def check_innocents(executor, outcomes: dict[str, object], culprits: set[str]) -> None:
+    for rid, outcome in outcomes.items():
+        if rid in culprits:
+            assert isinstance(outcome, PoisonRequestError), f"{rid}: {outcome!r}"
+            assert repr(rid) in str(outcome)
+        else:
+            assert outcome == expected(executor, rid), f"{rid}: {outcome!r}"
+
+
+async def test_a_failure_the_executor_names_fails_that_request_alone_without_a_restart(autojump_clock):
+    executor = text_executor(faults=FaultPlan(poison={"r2": Poison.REPORTED}))
+    async with open_engine(config(executor, max_restarts=0)) as engine:
+        outcomes = await run_all(engine, [f"r{i}" for i in range(5)])
+        scheduler = engine.scheduler
+        assert (scheduler.num_failures, scheduler.num_restarts) == (0, 0) and not engine.closed
+        stats = engine.stats()
+        assert stats.num_poisoned_requests == 1 and stats.num_executor_failures == 0
+        assert not engine.core.requests and engine.core.blocks.num_used_blocks == 0
+    check_innocents(executor, outcomes, {"r2"})
+    assert "simulated sampling error" in str(outcomes["r2"])
+
+
+async def test_an_anonymous_crash_is_bisected_to_its_culprit(autojump_clock):
+    """Eight requests share the batch; each crash halves the suspects until one fails alone."""
+    executor = text_executor(faults=FaultPlan(poison={"r5": Poison.CRASH}))
+    cfg = config(executor, max_num_seqs=8, max_restarts=1, restart_backoff_s=0.01)
+    async with open_engine(cfg) as engine:
+        outcomes = await run_all(engine, [f"r{i}" for i in range(8)])
+        scheduler = engine.scheduler
+        assert not engine.closed
+        # The whole batch, three halvings (8 -> 4 -> 2 -> 1) and the confirmation alone.
+        assert scheduler.num_failures == 5 and scheduler.num_restarts == 5
+        assert engine.stats().num_executor_failures == 5
+        assert not engine.core.requests and engine.core.blocks.num_used_blocks == 0
+    check_innocents(executor, outcomes, {"r5"})
+    lost = {r["request_id"] for r in engine.trace.records if r["event"] == "executor_lost"}
+    assert lost == {f"r{i}" for i in range(8)}, "the others were in failed steps and kept their tokens"
+
+
+async def test_a_hang_that_follows_a_request_is_isolated_too(autojump_clock):
+    executor = text_executor(faults=FaultPlan(poison={"r1": Poison.HANG}))
+    cfg = config(executor, step_timeout_s=0.5, max_restarts=1, restart_backoff_s=0.01)
+    async with open_engine(cfg) as engine:
+        outcomes = await run_all(engine, ["r0", "r1", "r2"], stagger_s=0.003)
+        assert not engine.closed and "timed out" in engine.scheduler.last_failure
+    check_innocents(executor, outcomes, {"r1"})
+
+
+async def test_poison_faults_do_not_use_up_max_restarts(autojump_clock):
+    """Three poisons in a row with max_restarts=1: the engine survives them, and still
+    has its one restart for a real executor fault afterwards."""
+    poison = {f"p{i}": Poison.CRASH for i in range(3)}
+    executor = text_executor(faults=FaultPlan(poison=poison))
+    cfg = config(executor, max_restarts=1, restart_window_s=1000.0, restart_backoff_s=0.01)
+    async with open_engine(cfg) as engine:
+        for i in range(3):
+            outcomes = await run_all(engine, [f"a{i}", f"p{i}", f"b{i}"])
+            check_innocents(executor, outcomes, {f"p{i}"})
+            assert not engine.closed
+        executor.faults = FaultPlan(at={executor.num_calls: Fault.CRASH}, poison=poison)
+        outcomes = await run_all(engine, ["c0", "c1"])
+        check_innocents(executor, outcomes, set())
+        assert not engine.closed
+        assert engine.stats().num_poisoned_requests == 3
+        # One more real fault is one too many: the budget was intact, and is now used.
+        executor.faults = FaultPlan(at={executor.num_calls: Fault.CRASH,
+                                        executor.num_calls + 1: Fault.CRASH})
+        outcomes = await run_all(engine, ["d0"])
+        assert engine.closed and isinstance(outcomes["d0"], ExecutorError)
+        assert not isinstance(outcomes["d0"], PoisonRequestError)
+
+
+async def test_two_poisons_among_many_each_fail_alone(autojump_clock):
+    executor = text_executor(faults=FaultPlan(poison={"r1": Poison.CRASH, "r6": Poison.CRASH}))
+    cfg = config(executor, max_num_seqs=8, max_restarts=1, restart_backoff_s=0.01)
+    async with open_engine(cfg) as engine:
+        outcomes = await run_all(engine, [f"r{i}" for i in range(8)])
+        assert not engine.closed
+    check_innocents(executor, outcomes, {"r1", "r6"})
+
+
+async def test_a_transient_fault_in_a_suspect_group_blames_nobody(autojump_clock):
+    """One crash with four requests in the batch: the halves run apart once, nobody fails."""
+    executor = text_executor(faults=FaultPlan(at={2: Fault.CRASH}))
+    async with open_engine(config(executor, max_restarts=1, restart_backoff_s=0.01)) as engine:
+        outcomes = await run_all(engine, [f"r{i}" for i in range(4)])
+        scheduler = engine.scheduler
+        assert scheduler.num_failures == 1 and scheduler.num_poisoned == 0
+        assert not scheduler._groups, "every suspect was cleared once it produced a token"
+    check_innocents(executor, outcomes, set())
