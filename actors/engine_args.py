@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from cadence.statemachine.config import POLICY_NAMES
+from cadence.statemachine.config import POLICY_NAMES, SchedulerConfig
 from cadence.statemachine.errors import ConfigError
 
 from .engine import EXECUTOR_KINDS, EngineConfig
@@ -38,6 +38,29 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tp", type=int, default=None,
                        help="tensor-parallel ranks (default: 1, or WORLD_SIZE under a launcher "
                             "such as torchrun, where rank 0 serves and the others follow it)")
+    group.add_argument("--max-waiting", type=int, default=None,
+                       help="requests the waiting queue holds before refusing with queue_full "
+                            f"(default: {SchedulerConfig().max_waiting})")
+    sup = parser.add_argument_group("supervision")
+    defaults = EngineConfig()
+    sup.add_argument("--step-timeout", type=float, default=defaults.step_timeout_s, metavar="S",
+                     help="a step taking longer counts as an executor failure "
+                          f"(default: {defaults.step_timeout_s})")
+    sup.add_argument("--max-restarts", type=int, default=defaults.max_restarts,
+                     help="executor failures (within --restart-window) after which the engine "
+                          "fails every request and closes; failures that follow one request, "
+                          f"which then fails alone, do not count (default: {defaults.max_restarts})")
+    sup.add_argument("--restart-window", type=float, default=defaults.restart_window_s, metavar="S",
+                     help=f"seconds over which --max-restarts counts (default: {defaults.restart_window_s})")
+    sup.add_argument("--restart-backoff", type=float, default=defaults.restart_backoff_s, metavar="S",
+                     help="pause before a restart, doubled for each failure in a row "
+                          f"(default: {defaults.restart_backoff_s})")
+    sup.add_argument("--restart-backoff-max", type=float, default=defaults.restart_backoff_max_s,
+                     metavar="S", help=f"longest pause before a restart (default: {defaults.restart_backoff_max_s})")
+    sup.add_argument("--heartbeat-timeout", type=float, default=defaults.heartbeat_timeout_s, metavar="S",
+                     help="with --executor process: a child that sends no heartbeat for this long "
+                          "while it works (stopped, frozen) is restarted; 0 turns heartbeats off "
+                          f"(default: {defaults.heartbeat_timeout_s})")
     group.add_argument("--sim-step-us", type=float, default=None,
                        help="simulated executor: every step takes this many microseconds, whatever "
                             "its batch (0: free; default: a latency model of a small GPU)")
@@ -65,7 +88,14 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         if args.sim_step_us < 0:
             raise ConfigError(f"--sim-step-us must be >= 0, got {args.sim_step_us}")
         latency = LatencyModel(base_us=args.sim_step_us, prefill_us_per_token=0.0, decode_us_per_seq=0.0)
+    if args.heartbeat_timeout < 0:
+        raise ConfigError(f"--heartbeat-timeout must be >= 0, got {args.heartbeat_timeout}")
+    queue = {} if args.max_waiting is None else {"max_waiting": args.max_waiting}
     return EngineConfig.from_kwargs(
+        step_timeout_s=args.step_timeout, max_restarts=args.max_restarts,
+        restart_window_s=args.restart_window, restart_backoff_s=args.restart_backoff,
+        restart_backoff_max_s=args.restart_backoff_max,
+        heartbeat_timeout_s=args.heartbeat_timeout or None, **queue,
         executor=executor, model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
         tokenizer=_tokenizer_for(args.model) if executor != "simulated" else None,
         latency=latency, max_num_seqs=args.max_num_seqs,
