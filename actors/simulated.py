@@ -133,8 +133,9 @@ class FaultPlan:
     slow_factor: latency multiplier of a SLOW call.
     fail_starts: start call numbers (0 is the first start) that raise ExecutorError.
     heal_after: calls from this number on never fault (None: no healed phase).
-    poison: request id -> how every execute call that schedules it fails
-      (whatever `heal_after` says: the fault follows the request).
+    poison: request id (str), or a token id (int) that marks any request whose
+      tokens hold it -> how every execute call that schedules it fails (whatever
+      `heal_after` says: the fault follows the request).
     """
 
     at: Mapping[int, Fault] = attrs.field(factory=dict)
@@ -143,7 +144,7 @@ class FaultPlan:
     slow_factor: float = attrs.field(default=10.0, validator=attrs.validators.ge(1.0))
     fail_starts: frozenset[int] = attrs.field(default=frozenset(), converter=frozenset)
     heal_after: int | None = None
-    poison: Mapping[str, Poison] = attrs.field(factory=dict)
+    poison: Mapping[str | int, Poison] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
         if any(p < 0 for p in self.probabilities.values()) or sum(self.probabilities.values()) > 1:
@@ -299,12 +300,26 @@ class SimulatedExecutor:
         """Shut down."""
         await self.kill()
 
-    def _poison_in(self, plan: StepPlan) -> Poison | None:
-        """The worst poison among the plan's requests (a crash or hang beats a report)."""
+    def _poison_of(self, request_id: str, token_ids) -> Poison | None:
+        """How the fault plan poisons this request, if it does."""
         poison = self.faults.poison if self.faults is not None else None
         if not poison:
             return None
-        found = {poison[rid] for rid in plan.num_scheduled_tokens if rid in poison}
+        kind = poison.get(request_id)
+        if kind is None:
+            marked = [poison[t] for t in set(token_ids) if t in poison]
+            kind = marked[0] if marked else None
+        return kind
+
+    def _poison_in(self, plan: StepPlan) -> Poison | None:
+        """The worst poison among the plan's requests (a crash or hang beats a report)."""
+        if self.faults is None or not self.faults.poison:
+            return None
+        new = {d.request_id: d.token_ids for d in plan.new_requests}
+        found = set()
+        for rid in plan.num_scheduled_tokens:
+            seq = self._batch.get(rid)
+            found.add(self._poison_of(rid, new.get(rid, seq.token_ids if seq is not None else ())))
         for kind in (Poison.CRASH, Poison.HANG, Poison.REPORTED):
             if kind in found:
                 return kind
@@ -333,14 +348,14 @@ class SimulatedExecutor:
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[list[tuple[int, float]]]] = {}
         failed: dict[str, str] = {}
-        poison = self.faults.poison if self.faults is not None else {}
+        poisoned = self.faults is not None and bool(self.faults.poison)
         num_prefill = num_decode = 0
         for rid, n in plan.num_scheduled_tokens.items():
-            if poison.get(rid) is Poison.REPORTED:
+            seq = batch.get(rid)
+            if poisoned and self._poison_of(rid, seq.token_ids if seq is not None else ()) is Poison.REPORTED:
                 batch.pop(rid, None)
                 failed[rid] = "simulated sampling error"
                 continue
-            seq = batch.get(rid)
             if seq is None:
                 self._protocol_violation(f"plan schedules request {rid!r} not in the batch")
             before = seq.num_computed_tokens
