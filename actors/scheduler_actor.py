@@ -84,9 +84,10 @@ _KILL_TIMEOUT_S = 5.0
 # fault striking twice; a fault that follows the request strikes every time.
 _CONVICTING_FAILURES = 2
 # Failures in a row (no successful executor call between them) that may go
-# uncounted while a culprit is isolated (a batch, then the culprit alone);
-# beyond this the executor itself is suspect.
-_MAX_UNCOUNTED_IN_A_ROW = 1 + _CONVICTING_FAILURES
+# uncounted while a culprit is isolated: the batch, one per halving of its
+# requests (when every half holds a culprit, no clean call comes between), and
+# the culprit alone; beyond this the executor itself is suspect.
+_BASE_UNCOUNTED_IN_A_ROW = 1 + _CONVICTING_FAILURES
 # Each restart pause is the previous one times this, before jitter.
 _BACKOFF_FACTOR = 2.0
 # A pause is drawn from [1 - J, 1 + J] times its nominal length, so that many
@@ -159,6 +160,7 @@ class SchedulerActor:
         self._num_in_a_row = 0  # failures since the last successful executor call
         self._ran_since_isolation = True  # a call succeeded since the isolation began
         self._origin_s: float | None = None  # the counted failure that began it
+        self._max_uncounted = _BASE_UNCOUNTED_IN_A_ROW  # failures in a row it may cost
         self._refunds: list[float] = []  # counted failures to forget once a call succeeds
         self._spawn = spawn
         self._inbox: deque = deque()
@@ -461,7 +463,7 @@ class SchedulerActor:
         self.num_failures += 1
         self._num_in_a_row += 1
         self.last_failure = reason
-        counted = counts or self._num_in_a_row > _MAX_UNCOUNTED_IN_A_ROW
+        counted = counts or self._num_in_a_row > self._max_uncounted
         _log.warning("executor failure %d (%d in a row%s): %s", self.num_failures, self._num_in_a_row,
                      "" if counted else ", isolating a request", reason)
         return counted
@@ -510,6 +512,7 @@ class SchedulerActor:
             self._ran_since_isolation = False
             # The time `_may_restart` is about to record for this failure.
             self._origin_s = trio.current_time() if counted else None
+            self._max_uncounted = _BASE_UNCOUNTED_IN_A_ROW + math.ceil(math.log2(max(1, len(live))))
         half = (len(live) + 1) // 2
         self._groups.extend(g for g in (live[:half], live[half:]) if g)
 
