@@ -546,6 +546,8 @@ class ModelRunner:
             self._check_block_ids(plan, new.request_id, new.block_ids)
             self._drop(new.request_id)
             bad = self._foreign_token(new.token_ids)
+            if bad is None:
+                bad = self._foreign_token(params.stop_token_ids)
             if bad is not None:
                 self._failed[new.request_id] = (
                     f"token id {bad} is outside the model's vocabulary [0, {self.vocab_size})")
