@@ -29,16 +29,18 @@ after a pause that doubles with each failure in a row (with jitter, up to
 
 Poison requests: a request the executor names in `StepOutput.failed` fails
 alone (`PoisonRequestError`) and the step's other results stand. A failure
-that names nobody makes its requests suspects: they are split in halves,
-each half run as an executor call of its own (the other requests in another)
-until failures narrow the blame to one request that also fails twice alone,
-which then fails with `PoisonRequestError`;
-the rest keep every token they had. A suspect that gets a token past the
-point where its step failed is cleared. Failures while isolating a culprit,
-and the failure that started it once a culprit is found and the executor has
-run a step since, do not count toward `max_restarts`; failures several in a
-row with no successful call between them count whatever they look like, so
-a broken executor still closes the engine.
+that names nobody makes its requests suspects: they are split in halves, each
+half run as an executor call of its own (the unsuspected requests in another)
+until failures narrow the blame to one request that then fails twice more
+alone, the same way; it fails with `PoisonRequestError` (a plain
+`ExecutorError` if the executor ran nothing else meanwhile, since then the
+executor may be at fault). The others keep every token they had. A suspect
+that gets a token past the point where its step failed is cleared. Failures
+while isolating a culprit, and the failure that started it once a culprit is
+found and the executor has run a step since, do not count toward
+`max_restarts`; beyond a few failures in a row with no successful call
+between them (see `_BASE_UNCOUNTED_IN_A_ROW`) every failure counts, so a
+broken executor still closes the engine.
 """
 
 from __future__ import annotations
@@ -508,7 +510,7 @@ class SchedulerActor:
                 if alone >= _CONVICTING_FAILURES and not counted:
                     self._convict(rid)
                     return
-        elif not self._groups:
+        elif live and not self._groups:
             self._ran_since_isolation = False
             # The time `_may_restart` is about to record for this failure.
             self._origin_s = trio.current_time() if counted else None
@@ -517,7 +519,7 @@ class SchedulerActor:
         self._groups.extend(g for g in (live[:half], live[half:]) if g)
 
     def _convict(self, request_id: str) -> None:
-        """Fail the request that made the executor fail twice, the second time alone."""
+        """Fail the request that made the executor fail in a batch, then alone, the same way each time."""
         detail = (f"request {request_id!r} makes the executor fail: it failed in a batch, then "
                   f"{self._alone[request_id][0]} times alone (last: {self.last_failure})")
         if self._ran_since_isolation:
