@@ -29,11 +29,12 @@ MARKER = 7
 FD_MARGIN = 3
 
 
-def process_config(**kwargs) -> EngineConfig:
+def process_config(max_num_batched_tokens: int = 256, **kwargs) -> EngineConfig:
     options = kwargs.pop("executor_options", {})
     kwargs.setdefault("restart_backoff_s", 0.01)
     return EngineConfig(
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=128),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
+                                  max_model_len=128),
         cache=CacheConfig(num_blocks=64, block_size=4), executor="process", model="simulated",
         executor_options=options, record_trace=True, **kwargs)
 
@@ -101,6 +102,21 @@ async def test_a_prompt_the_child_refuses_fails_alone_without_a_restart():
     assert isinstance(outcomes["bad"], PoisonRequestError) and "'bad'" in str(outcomes["bad"])
     for rid in ("ok", "ok2"):
         assert outcomes[rid] == expected(rid, prompts[rid])
+
+
+async def test_a_refused_prompt_leaves_the_step_planned_ahead_too():
+    """Long prompts in small chunks make the scheduler plan step N+1 while N runs;
+    when N's answer refuses a request, N+1 goes out without it."""
+    prompts = {"long": list(range(10, 40)), "bad": [MARKER, *range(10, 40)]}
+    cfg = process_config(max_num_batched_tokens=8, executor_options={"bad_token": MARKER})
+    with trio.fail_after(GUARD_S):
+        async with open_engine(cfg) as engine:
+            outcomes = await run_all(engine, prompts)
+            scheduler = engine.scheduler
+            assert scheduler.num_planned_ahead > 0
+            assert scheduler.num_failures == 0 and not engine.closed
+    assert isinstance(outcomes["bad"], PoisonRequestError)
+    assert outcomes["long"] == expected("long", prompts["long"])
 
 
 async def test_sampling_parameters_that_cannot_be_sent_fail_that_request_alone():
