@@ -10,10 +10,13 @@ is known not to be one.
 
 from __future__ import annotations
 
+import json
+from collections import deque
+from functools import lru_cache
 from typing import Protocol, Sequence, runtime_checkable
 
-__all__ = ["Tokenizer", "ByteTokenizer", "IncrementalDetokenizer", "StopStringMatcher",
-           "TextAssembler"]
+__all__ = ["Tokenizer", "ByteTokenizer", "IncrementalDetokenizer", "StopAutomaton",
+           "stop_automaton", "StopStringMatcher", "TextAssembler", "max_bytes_per_token"]
 
 _REPLACEMENT = "\ufffd"
 # Longest UTF-8 sequence: after this many held tokens a trailing U+FFFD is real text.
@@ -23,6 +26,12 @@ _MAX_HELD_TOKENS = 4
 _CONTEXT_TOKENS = 4
 # Decoded ids before the window are dropped once this many pile up.
 _TRIM_AT = 64
+# Automata of stop lists up to this many characters in all are kept for reuse
+# (the default request limits allow 16 x 256), the most recent this many of them.
+_CACHED_AUTOMATON_CHARS = 4096
+_CACHED_AUTOMATA = 64
+# Pre-tokenisers that split text without dropping any of it (Split also, unless it removes).
+_LOSSLESS_PRE_TOKENIZERS = frozenset({"ByteLevel", "Split", "Digits", "Punctuation"})
 
 
 @runtime_checkable
@@ -38,6 +47,40 @@ class Tokenizer(Protocol):
         """Text of `token_ids`, special tokens left out."""
 
 
+def max_bytes_per_token(tokenizer: Tokenizer) -> int | None:
+    """The most UTF-8 bytes of text one token can stand for, or None when unknown.
+
+    A tokenizer may declare it (`max_bytes_per_token`). For a Hugging Face
+    tokenizer it is read from the vocabulary, but only for byte-level BPE with
+    no normaliser and no pre-tokeniser that drops text: there every byte of a
+    prompt is kept by some token, so a prompt of B bytes has at least B / k
+    tokens. Any other tokenizer gets None (its prompts are tokenised to be
+    counted).
+    """
+    declared = getattr(tokenizer, "max_bytes_per_token", None)
+    if declared is not None:
+        return int(declared)
+    backend = getattr(tokenizer, "backend", None)
+    if backend is None or not hasattr(backend, "to_str") or not _keeps_every_byte(backend):
+        return None
+    vocab = backend.get_vocab(with_added_tokens=True)
+    # A byte-level token's string has one character per byte, each at most 2 bytes
+    # in UTF-8; an added token's string is its text: this over-counts, never under.
+    return max((len(token.encode("utf-8")) for token in vocab), default=None)
+
+
+def _keeps_every_byte(backend) -> bool:
+    spec = json.loads(backend.to_str())
+    if spec.get("normalizer") is not None:
+        return False
+    pre = spec.get("pre_tokenizer") or {}
+    parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    kinds = {part.get("type") for part in parts}
+    dropping = [part for part in parts if part.get("type") == "Split"
+                and part.get("behavior") == "Removed"]
+    return "ByteLevel" in kinds and kinds <= _LOSSLESS_PRE_TOKENIZERS and not dropping
+
+
 class ByteTokenizer:
     """Text as its UTF-8 bytes: token id b < 256 is the byte b, 256 is end of sequence.
 
@@ -46,6 +89,7 @@ class ByteTokenizer:
     """
 
     vocab_size = 257
+    max_bytes_per_token = 1
     eos_token_id = 256
     eos_token_ids = (256,)
 
@@ -108,51 +152,112 @@ class IncrementalDetokenizer:
         return new
 
 
+class StopAutomaton:
+    """An Aho-Corasick automaton over one request's stop strings, built once.
+
+    States are the prefixes of the stop strings (0 is the empty one). Feeding
+    a character follows the trie where it can and the failure links where it
+    cannot, so matching costs amortised O(1) per character of text whatever
+    the number or length of the stop strings. Immutable once built: requests
+    with the same stop strings share one (`stop_automaton`).
+    """
+
+    __slots__ = ("goto", "fail", "depth", "match", "num_chars")
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        goto: list[dict[str, int]] = [{}]
+        depth = [0]
+        match = [0]  # per state: the longest stop string ending there (0: none)
+        for stop in stops:
+            state = 0
+            for ch in stop:
+                nxt = goto[state].get(ch)
+                if nxt is None:
+                    nxt = len(goto)
+                    goto[state][ch] = nxt
+                    goto.append({})
+                    depth.append(depth[state] + 1)
+                    match.append(0)
+                state = nxt
+            match[state] = len(stop)
+        fail = [0] * len(goto)
+        queue = deque(goto[0].values())
+        while queue:
+            state = queue.popleft()
+            for ch, nxt in goto[state].items():
+                back = fail[state]
+                while back and ch not in goto[back]:
+                    back = fail[back]
+                fail[nxt] = goto[back].get(ch, 0)
+                # A state that completes no stop string still ends one its suffix completes.
+                match[nxt] = match[nxt] or match[fail[nxt]]
+                queue.append(nxt)
+        self.goto, self.fail, self.depth, self.match = goto, fail, depth, match
+        self.num_chars = sum(map(len, stops))
+
+
+@lru_cache(maxsize=_CACHED_AUTOMATA)
+def _cached_automaton(stops: tuple[str, ...]) -> StopAutomaton:
+    return StopAutomaton(stops)
+
+
+def stop_automaton(stops: Sequence[str]) -> StopAutomaton:
+    """The automaton of `stops`, shared between requests when the list is small."""
+    stops = tuple(stops)
+    if sum(map(len, stops)) <= _CACHED_AUTOMATON_CHARS:
+        return _cached_automaton(stops)
+    return StopAutomaton(stops)
+
+
 class StopStringMatcher:
     """Finds the first stop string in a stream of text deltas.
 
-    `feed` returns the text that is safe to release and whether a stop string
-    was found; text that could be the beginning of a stop string is held until
-    the next delta settles it.
+    The first stop string to be completed wins (of two completed by the same
+    character, the longer), so the outcome does not depend on how the text is
+    cut into deltas. `feed` returns the text that is safe to release and
+    whether a stop string was found; text that could be the beginning of a
+    stop string is held until later text settles it. `num_steps` counts the
+    automaton's transitions, the whole cost of matching.
     """
 
-    __slots__ = ("stops", "include_stop", "held")
+    __slots__ = ("automaton", "include_stop", "held", "state", "num_steps")
 
-    def __init__(self, stops: Sequence[str], include_stop: bool = False) -> None:
-        self.stops = tuple(stops)
+    def __init__(self, stops: Sequence[str] | StopAutomaton, include_stop: bool = False) -> None:
+        self.automaton = stops if isinstance(stops, StopAutomaton) else stop_automaton(stops)
         self.include_stop = include_stop
         self.held = ""
+        self.state = 0
+        self.num_steps = 0
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Add a delta; return (text to release, whether a stop string ended it)."""
+        automaton = self.automaton
+        goto, fail, match = automaton.goto, automaton.fail, automaton.match
+        state, steps = self.state, 0
+        for i, ch in enumerate(text):
+            while state and ch not in goto[state]:
+                state = fail[state]
+                steps += 1
+            state = goto[state].get(ch, 0)
+            steps += 1
+            if match[state]:
+                self.num_steps += steps
+                buffer = self.held + text[:i + 1]
+                end = len(buffer) if self.include_stop else len(buffer) - match[state]
+                self.held, self.state = "", 0
+                released = buffer[:end]
+                return released, True
+        self.num_steps += steps
+        self.state = state
         buffer = self.held + text
-        first = -1
-        match = ""
-        for stop in self.stops:
-            at = buffer.find(stop)
-            if at >= 0 and (first < 0 or at < first or (at == first and len(stop) > len(match))):
-                first, match = at, stop
-        if first >= 0:
-            self.held = ""
-            return buffer[:first] + (match if self.include_stop else ""), True
-        keep = self._partial_match(buffer)
+        keep = automaton.depth[state]  # the longest suffix that begins some stop string
         self.held = buffer[len(buffer) - keep:] if keep else ""
         return buffer[:len(buffer) - keep], False
 
     def flush(self) -> str:
         """Release the held text (the request ended without a stop string)."""
-        held, self.held = self.held, ""
+        held, self.held, self.state = self.held, "", 0
         return held
-
-    def _partial_match(self, buffer: str) -> int:
-        """Length of the longest suffix of `buffer` that begins some stop string."""
-        best = 0
-        for stop in self.stops:
-            for k in range(min(len(stop) - 1, len(buffer)), best, -1):
-                if buffer.endswith(stop[:k]):
-                    best = k
-                    break
-        return best
 
 
 class TextAssembler:
@@ -161,7 +266,7 @@ class TextAssembler:
     __slots__ = ("detokenizer", "matcher")
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
-                 stops: Sequence[str] = (), include_stop: bool = False) -> None:
+                 stops: Sequence[str] | StopAutomaton = (), include_stop: bool = False) -> None:
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
         self.matcher = StopStringMatcher(stops, include_stop) if stops else None
 

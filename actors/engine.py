@@ -12,7 +12,6 @@ still live (its consumers get `EngineClosedError`) and shuts the executor down.
 
 from __future__ import annotations
 
-import math
 import os
 import random
 from contextlib import asynccontextmanager
@@ -30,13 +29,19 @@ from cadence.statemachine.sampling import SamplingParams
 from cadence.statemachine.scheduler import Scheduler
 from cadence.statemachine.stats import StatsSummary
 
-from .detokenizer import ByteTokenizer, TextAssembler, Tokenizer
+from .detokenizer import (
+    ByteTokenizer, StopAutomaton, TextAssembler, Tokenizer, max_bytes_per_token, stop_automaton,
+)
 from .executor import ExecutorBackend
 from .messages import InitExecutor, OptionValue
 from .request_actor import RequestActor, RequestOutput, RequestResult, join_logprobs
 from .scheduler_actor import SchedulerActor, StepListener
 from .simulated import LatencyModel, SimulatedExecutor
 from .trace import TraceRecorder
+from .validation import (
+    DEFAULT_MAX_STOP_CHARS, DEFAULT_MAX_STOP_STRINGS, RequestLimits, check_token_ids,
+    validate_request,
+)
 
 __all__ = ["EngineConfig", "Engine", "RequestStream", "open_engine", "EXECUTOR_KINDS"]
 
@@ -47,6 +52,13 @@ _PRINTABLE_IDS = tuple(range(32, 127))
 _CLOSE_TIMEOUT_S = 10.0
 # The simulated executor's vocabulary when no tokenizer says otherwise.
 SIMULATED_VOCAB_SIZE = 32000
+# Text prompts longer than this (characters), and stop lists longer than this in all,
+# are tokenised / compiled in a worker thread rather than on the event loop; below
+# it the thread hand-off costs more than the work.
+_OFF_LOOP_PROMPT_CHARS = 8192
+_OFF_LOOP_STOP_CHARS = 2048
+# Worker threads tokenising at once, so large prompts queue rather than crowd the loop.
+_TOKENIZER_THREADS = 2
 
 Prompt = Union[str, Sequence[int]]
 
@@ -100,6 +112,8 @@ class EngineConfig:
       this long while it works (stopped, frozen) counts as failed; None: only
       `step_timeout_s` applies.
     plan_ahead: plan step N+1 while step N runs when that cannot split the batch.
+    max_stop_strings, max_stop_chars: most stop strings one request may carry,
+      and most characters in each (requests over them are refused).
     trace_path, record_trace: write the event trace as JSON lines to a file,
       and/or keep it in memory (`engine.trace.records`).
     seed: the executor's seed.
@@ -122,6 +136,8 @@ class EngineConfig:
     restart_backoff_max_s: float = attrs.field(default=30.0, validator=_non_negative)
     heartbeat_timeout_s: float | None = attrs.field(default=5.0, validator=_optional_positive)
     plan_ahead: bool = True
+    max_stop_strings: int = attrs.field(default=DEFAULT_MAX_STOP_STRINGS, validator=_positive)
+    max_stop_chars: int = attrs.field(default=DEFAULT_MAX_STOP_CHARS, validator=_positive)
     trace_path: str | None = None
     record_trace: bool = False
     seed: int = 0
@@ -170,22 +186,34 @@ class RequestStream:
         """The request's id once submitted."""
         return self._actor.request_id if self._actor is not None else None
 
+    @property
+    def num_prompt_tokens(self) -> int | None:
+        """The prompt's length in tokens once submitted."""
+        return self._actor.request.num_prompt_tokens if self._actor is not None else None
+
     def enqueue(self) -> RequestStream:
         """Hand the request to the scheduler now, without waiting for its verdict;
         a refusal raises from the first iteration (or `start()`). Enqueueing many
-        streams before awaiting any submits them together, in order."""
+        streams before awaiting any submits them together, in order. A text
+        prompt is tokenised here, on the event loop; `start()` tokenises a long
+        one in a worker thread."""
         if self._actor is None:
-            actor = self._engine._make_actor(*self._submission)
-            self._engine.scheduler.submit(actor)
-            self._actor = actor
+            self._submit(self._engine._make_actor(self._submission))
         return self
 
+    def _submit(self, actor: RequestActor) -> None:
+        self._engine.scheduler.submit(actor)
+        self._actor = actor
+
     async def start(self) -> RequestStream:
-        """Submit the request and wait until the core accepts it; raises the core's
-        validation error if it refuses."""
+        """Submit the request and wait until the core accepts it; raises the
+        validation error if it is refused."""
         if self._actor is None:
             await trio.lowlevel.checkpoint_if_cancelled()
-        actor = self.enqueue()._actor
+            actor = await self._engine._prepare(self._submission)
+            if self._actor is None:
+                self._submit(actor)
+        actor = self._actor
         try:
             await actor.wait_accepted()
         except BaseException:
@@ -264,14 +292,19 @@ class Engine:
 
     def __init__(self, config: EngineConfig, scheduler: SchedulerActor,
                  tokenizer: Tokenizer | None, eos_token_ids: frozenset[int], vocab_size: int,
-                 trace: TraceRecorder | None) -> None:
+                 trace: TraceRecorder | None, bytes_per_token: int | None = None) -> None:
         self.config = config
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.trace = trace
+        self.request_limits = RequestLimits(
+            vocab_size=vocab_size, max_model_len=scheduler.core.config.max_model_len,
+            has_tokenizer=tokenizer is not None, max_bytes_per_token=bytes_per_token,
+            max_stop_strings=config.max_stop_strings, max_stop_chars=config.max_stop_chars)
         self._num_ids = 0
+        self._tokenizer_threads = trio.CapacityLimiter(_TOKENIZER_THREADS)
 
     @property
     def core(self):
@@ -333,19 +366,35 @@ class Engine:
         await self.scheduler.wait_idle()
 
     # ---- internals -------------------------------------------------------------
-    def _make_actor(self, prompt, params, priority, tenant, deadline_s, request_id, timeout_s,
-                    cache_salt) -> RequestActor:
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
-        tokenizer = self.tokenizer
-        token_ids = self._prompt_ids(prompt)
-        if params.stop and tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer; this engine has none")
-        if timeout_s is not None and not timeout_s > 0:
-            raise InvalidRequestError(f"timeout_s must be > 0, got {timeout_s!r}")
-        if deadline_s is not None and not math.isfinite(deadline_s):
-            raise InvalidRequestError(f"deadline_s must be finite, got {deadline_s!r}")
+    def _validate(self, submission: tuple) -> SamplingParams:
+        prompt, params, priority, tenant, deadline_s, _, timeout_s, cache_salt = submission
+        return validate_request(prompt, params, self.request_limits, priority=priority,
+                                tenant=tenant, deadline_s=deadline_s, timeout_s=timeout_s,
+                                cache_salt=cache_salt)
+
+    async def _prepare(self, submission: tuple) -> RequestActor:
+        """Validate a request and build its actor, tokenising a long text prompt and
+        compiling a long stop list in a worker thread."""
+        params = self._validate(submission)
+        prompt = submission[0]
+        token_ids = stops = None
+        if isinstance(prompt, str) and len(prompt) > _OFF_LOOP_PROMPT_CHARS:
+            token_ids = await trio.to_thread.run_sync(
+                self._encode, prompt, limiter=self._tokenizer_threads)
+        if sum(map(len, params.stop)) > _OFF_LOOP_STOP_CHARS:
+            stops = await trio.to_thread.run_sync(
+                stop_automaton, params.stop, limiter=self._tokenizer_threads)
+        return self._make_actor(submission, params, token_ids, stops)
+
+    def _make_actor(self, submission: tuple, params: SamplingParams | None = None,
+                    token_ids: list[int] | None = None,
+                    stops: StopAutomaton | None = None) -> RequestActor:
+        """The actor of a request: validated here unless `params` says it was."""
+        prompt, _, priority, tenant, deadline_s, request_id, timeout_s, cache_salt = submission
+        if params is None:
+            params = self._validate(submission)
+        if token_ids is None:
+            token_ids = self._encode(prompt) if isinstance(prompt, str) else list(prompt)
         if request_id is None:
             request_id = f"req-{self._num_ids}"
             self._num_ids += 1
@@ -355,22 +404,16 @@ class Engine:
             tenant=tenant, deadline_s=None if deadline_s is None else now + deadline_s,
             arrival_s=now, cache_salt=cache_salt)
         assembler = None
-        if tokenizer is not None:
-            assembler = TextAssembler(tokenizer, token_ids, params.stop,
+        if self.tokenizer is not None:
+            assembler = TextAssembler(self.tokenizer, token_ids,
+                                      stops if stops is not None else params.stop,
                                       params.include_stop_str_in_output)
         return RequestActor(request, params, self.scheduler.abort_nowait, assembler, timeout_s)
 
-    def _prompt_ids(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("text prompts need a tokenizer; pass token ids instead")
-            return list(self.tokenizer.encode(prompt))
-        token_ids = list(prompt)
-        vocab = self.vocab_size
-        for token in token_ids:
-            if type(token) is not int or not 0 <= token < vocab:
-                raise InvalidRequestError(
-                    f"prompt token ids must be ints in [0, {vocab}), got {token!r}")
+    def _encode(self, prompt: str) -> list[int]:
+        """A validated text prompt's token ids (safe to run in a worker thread)."""
+        token_ids = list(self.tokenizer.encode(prompt))
+        check_token_ids("prompt", token_ids, self.vocab_size)
         return token_ids
 
 
@@ -431,6 +474,13 @@ async def open_engine(config: EngineConfig | None = None, *,
         if ready.block_size != cache.block_size:
             raise ExecutorError(f"executor uses blocks of {ready.block_size} tokens, "
                                 f"the cache config says {cache.block_size}")
+        try:
+            check_token_ids("eos_token_ids", ready.eos_token_ids, ready.vocab_size)
+        except InvalidRequestError as exc:
+            raise ExecutorError(f"the executor reports {exc}") from None
+        bytes_per_token = None
+        if tokenizer is not None:
+            bytes_per_token = await trio.to_thread.run_sync(max_bytes_per_token, tokenizer)
         core = Scheduler(sched_config, attrs.evolve(cache, num_blocks=ready.num_blocks))
         async with trio.open_nursery() as nursery:
             scheduler = SchedulerActor(
@@ -443,7 +493,7 @@ async def open_engine(config: EngineConfig | None = None, *,
                 on_step=on_step)
             await nursery.start(scheduler.run)
             engine = Engine(config, scheduler, tokenizer, frozenset(ready.eos_token_ids),
-                            ready.vocab_size, trace)
+                            ready.vocab_size, trace, bytes_per_token)
             try:
                 yield engine
             finally:

@@ -1,16 +1,133 @@
-"""User-facing sampling parameters, shared by the actors and the executor."""
+"""User-facing sampling parameters, shared by the actors and the executor.
+
+`SamplingParams` checks every field's type and range where it is built, with
+no knowledge of the model: what depends on the loaded model (token ids below
+the vocabulary size, `top_k` at most the vocabulary, the operator's stop-string
+limits) is checked by `cadence.actors.validation.validate_request` before a
+request is queued. `SAMPLING_RANGES` is the one table of the ranges below;
+PROTOCOL.md §3.1 prints it for client authors.
+"""
 
 from __future__ import annotations
+
+import math
+import numbers
+import operator
+from typing import Any
 
 import attrs
 
 from .errors import InvalidRequestError
 from .request import SamplingLimits
 
+__all__ = [
+    "SamplingParams", "SAMPLING_RANGES", "MAX_LOGPROBS", "MIN_TEMPERATURE",
+    "MIN_REPETITION_PENALTY", "MAX_REPETITION_PENALTY", "MAX_PENALTY", "MAX_INT64", "MIN_SEED", "MAX_SEED",
+]
 
-def _check(field: str, ok: bool, limit: str, value: object) -> None:
-    if not ok:
-        raise InvalidRequestError(f"{field} must be {limit}, got {value!r}")
+# Every integer a request carries fits a signed 64-bit int, so any client
+# language and the msgpack link to an executor can hold it.
+MAX_INT64 = (1 << 63) - 1
+# A seed is any 64-bit value, signed or unsigned: the executor folds it into a
+# 64-bit generator seed, and msgpack carries either form.
+MIN_SEED = -(1 << 63)
+MAX_SEED = (1 << 64) - 1
+# Top alternatives a request may ask for per token.
+MAX_LOGPROBS = 20
+# Below this (and above 0) logits / temperature overflow in half precision;
+# 0 asks for greedy decoding, which is what such a temperature would mean.
+MIN_TEMPERATURE = 1e-2
+# A penalty divides or multiplies logits: outside these bounds the result
+# overflows or collapses to one token.
+MIN_REPETITION_PENALTY = 1e-2
+MAX_REPETITION_PENALTY = 100.0
+# presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY].
+MAX_PENALTY = 2.0
+
+
+def _refuse(field: str, limit: str, value: object) -> InvalidRequestError:
+    return InvalidRequestError(f"{field} must be {limit}, got {value!r}")
+
+
+def _as_int(field: str, value: object) -> int:
+    """An integer (a bool is not one, nor is a float with an integral value)."""
+    if isinstance(value, bool):
+        raise _refuse(field, "an int, not a bool", value)
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise _refuse(field, "an int", value) from None
+
+
+def _as_float(field: str, value: object) -> float:
+    """A finite real number (ints are taken as floats; bools are not numbers here)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _refuse(field, "a number", value)
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (OverflowError, TypeError, ValueError):
+        raise _refuse(field, "a finite number", value) from None
+    if not math.isfinite(number):
+        raise _refuse(field, "a finite number", value)
+    return number
+
+
+def _in(field: str, value: float, low: float, high: float, text: str) -> None:
+    if not low <= value <= high:
+        raise _refuse(field, text, value)
+
+
+# field -> (kind, low, high, the range as a reader sees it); "int?" allows None.
+# Checked in this order; max_tokens comes first so min_tokens can refer to it.
+SAMPLING_RANGES: dict[str, tuple[str, float, float, str]] = {
+    "max_tokens": ("int", 1, MAX_INT64, "in [1, 2^63 - 1]"),
+    "min_tokens": ("int", 0, MAX_INT64, "in [0, max_tokens]"),
+    "temperature": ("float", 0.0, math.inf, f"0 (greedy) or a finite number >= {MIN_TEMPERATURE}"),
+    "top_k": ("int", 0, MAX_INT64, "in [0, vocab_size] (0 disables it)"),
+    "top_p": ("float", 0.0, 1.0, "in (0, 1]"),
+    "min_p": ("float", 0.0, 1.0, "in [0, 1]"),
+    "repetition_penalty": ("float", MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY,
+                           f"in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}]"),
+    "presence_penalty": ("float", -MAX_PENALTY, MAX_PENALTY, f"in [-{MAX_PENALTY}, {MAX_PENALTY}]"),
+    "frequency_penalty": ("float", -MAX_PENALTY, MAX_PENALTY, f"in [-{MAX_PENALTY}, {MAX_PENALTY}]"),
+    "seed": ("int?", MIN_SEED, MAX_SEED, "None or in [-2^63, 2^64 - 1]"),
+    "logprobs": ("int?", 0, MAX_LOGPROBS, f"None or in [0, {MAX_LOGPROBS}]"),
+}
+
+
+def _check_number(field: str, value: Any) -> Any:
+    kind, low, high, text = SAMPLING_RANGES[field]
+    if value is None and kind == "int?":
+        return None
+    number = _as_float(field, value) if kind == "float" else _as_int(field, value)
+    _in(field, number, low, high, text)
+    return number
+
+
+def _stop_strings(value: object) -> tuple[str, ...]:
+    # A bare string is one stop string, not one per character.
+    items = (value,) if isinstance(value, str) else _as_tuple("stop", value)
+    for item in items:
+        if type(item) is not str or not item:
+            raise _refuse("stop", "non-empty strings", item)
+    return items
+
+
+def _stop_token_ids(value: object) -> tuple[int, ...]:
+    tokens = tuple(_as_int("stop_token_ids", item) for item in _as_tuple("stop_token_ids", value))
+    for token in tokens:
+        if not 0 <= token <= MAX_INT64:
+            raise _refuse("stop_token_ids", "token ids in [0, vocab_size)", token)
+    return tokens
+
+
+def _as_tuple(field: str, value: object) -> tuple:
+    if isinstance(value, (bytes, dict, numbers.Number)):
+        raise _refuse(field, "a list", value)
+    try:
+        return tuple(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise _refuse(field, "a list", value) from None
 
 
 @attrs.frozen
@@ -21,7 +138,8 @@ class SamplingParams:
     filters. `seed` makes a request's samples reproducible regardless of what
     else is in the batch. `logprobs` asks for that many top alternatives per
     token (the sampled token's logprob always comes first). `stop` strings are
-    matched on detokenised text by the request actor.
+    matched on detokenised text by the request actor; a bare string is one stop
+    string. Every field is checked on construction (`SAMPLING_RANGES`).
     """
 
     max_tokens: int = 16
@@ -36,25 +154,27 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     ignore_eos: bool = False
-    stop: tuple[str, ...] = attrs.field(default=(), converter=tuple)
-    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_stop_strings)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_stop_token_ids)
     include_stop_str_in_output: bool = False
 
     def __attrs_post_init__(self) -> None:
-        _check("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, ">= 1", self.max_tokens)
-        _check("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "in [0, max_tokens]", self.min_tokens)
-        _check("temperature", self.temperature >= 0.0, ">= 0", self.temperature)
-        _check("top_k", self.top_k >= 0, ">= 0 (0 disables it)", self.top_k)
-        _check("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]", self.top_p)
-        _check("min_p", 0.0 <= self.min_p <= 1.0, "in [0, 1]", self.min_p)
-        _check("repetition_penalty", self.repetition_penalty > 0.0, "> 0", self.repetition_penalty)
-        _check("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "in [-2, 2]", self.presence_penalty)
-        _check("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "in [-2, 2]", self.frequency_penalty)
-        _check("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "in [0, 20]", self.logprobs)
-        _check("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings", self.stop)
+        for field in SAMPLING_RANGES:
+            value = _check_number(field, getattr(self, field))
+            object.__setattr__(self, field, value)  # ints as int, reals as float
+        if self.min_tokens > self.max_tokens:
+            raise _refuse("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            raise _refuse("temperature", SAMPLING_RANGES["temperature"][3], self.temperature)
+        if self.top_p == 0.0:
+            raise _refuse("top_p", SAMPLING_RANGES["top_p"][3], self.top_p)
+        for field in ("ignore_eos", "include_stop_str_in_output"):
+            if type(getattr(self, field)) is not bool:
+                raise _refuse(field, "a bool", getattr(self, field))
 
     @property
     def greedy(self) -> bool:
+        """Whether the next token is the most likely one (temperature 0)."""
         return self.temperature == 0.0
 
     def limits(self, eos_token_ids: frozenset[int] | set[int] = frozenset()) -> SamplingLimits:

@@ -190,7 +190,7 @@ async def test_validation_errors_raise_at_submission_with_the_core_message(autoj
         with pytest.raises(RequestTooLongError):
             async for _ in engine.generate([1] * 30, SamplingParams(max_tokens=8)):
                 pass
-        with pytest.raises(InvalidRequestError, match="token ids"):
+        with pytest.raises(InvalidRequestError, match="token id"):
             await engine.submit([1, 100_000], SamplingParams(max_tokens=2))
         with pytest.raises(InvalidRequestError, match="at least one token"):
             await engine.submit([], SamplingParams(max_tokens=2))

@@ -28,7 +28,9 @@ from cadence.actors.messages import (
 )
 from cadence.statemachine.errors import ProtocolError
 from cadence.statemachine.plan import NewRequestData, StepPlan, StepResult
-from cadence.statemachine.sampling import SamplingParams
+from cadence.statemachine.sampling import (
+    MAX_INT64, MIN_REPETITION_PENALTY, MIN_TEMPERATURE, SamplingParams,
+)
 
 
 def examples(count: int) -> settings:
@@ -74,18 +76,18 @@ def sampling_params(draw) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens,
         min_tokens=draw(st.integers(0, max_tokens)),
-        temperature=draw(st.floats(0.0, 100.0)),
+        temperature=draw(st.just(0.0) | st.floats(MIN_TEMPERATURE, 100.0)),
         top_k=draw(st.integers(0, 2**31)),
         top_p=draw(st.floats(0.0, 1.0, exclude_min=True)),
         min_p=draw(st.floats(0.0, 1.0)),
-        repetition_penalty=draw(st.floats(0.0, 10.0, exclude_min=True)),
+        repetition_penalty=draw(st.floats(MIN_REPETITION_PENALTY, 10.0)),
         presence_penalty=draw(st.floats(-2.0, 2.0)),
         frequency_penalty=draw(st.floats(-2.0, 2.0)),
         seed=draw(st.none() | st.integers(-(2**63), UINT64)),
         logprobs=draw(st.none() | st.integers(0, 20)),
         ignore_eos=draw(st.booleans()),
         stop=draw(st.lists(st.text(min_size=1, max_size=5), max_size=3)),
-        stop_token_ids=draw(st.lists(ids, max_size=3)),
+        stop_token_ids=draw(st.lists(st.integers(0, MAX_INT64), max_size=3)),
         include_stop_str_in_output=draw(st.booleans()),
     )
 

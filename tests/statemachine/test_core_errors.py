@@ -3,6 +3,7 @@ and a rejected call changes nothing."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -14,7 +15,7 @@ from cadence.statemachine.errors import (
     RequestNotFoundError, RequestTooLongError,
 )
 from cadence.statemachine.request import Request, SamplingLimits
-from cadence.statemachine.sampling import SamplingParams
+from cadence.statemachine.sampling import MIN_TEMPERATURE, SamplingParams
 from cadence.statemachine.scheduler import Scheduler
 
 from core_helpers import make_request, make_scheduler, run_until_idle
@@ -214,13 +215,41 @@ def test_bad_sampling_limits_name_the_field(kwargs, field):
     ("max_tokens", 0), ("min_tokens", -1), ("min_tokens", 17), ("temperature", -0.1), ("top_k", -1),
     ("top_p", 0.0), ("top_p", 1.5), ("min_p", 1.5), ("repetition_penalty", 0.0),
     ("presence_penalty", 2.5), ("frequency_penalty", -2.5), ("logprobs", 21), ("logprobs", -1),
-    ("stop", ("",)),
+    ("stop", ""),
+    # Values that reached the model unchecked: overflow, non-finite, wrong type.
+    ("temperature", math.inf), ("temperature", math.nan), ("temperature", 1e-308),
+    ("repetition_penalty", 1e-308), ("repetition_penalty", math.inf), ("top_k", 2.5),
+    ("top_k", 2**63), ("max_tokens", True), ("max_tokens", 2.0), ("seed", 2**70),
+    ("seed", -(2**63) - 1), ("logprobs", True), ("top_p", math.nan), ("min_p", -1e-9),
+    ("presence_penalty", math.nan), ("temperature", True), ("ignore_eos", 1),
+    ("include_stop_str_in_output", "yes"),
 ])
 def test_bad_sampling_params_name_the_field_and_value(field, value):
-    """SamplingParams refuses each out-of-range field, naming it and the bad value."""
+    """SamplingParams refuses each out-of-range or mistyped field, naming it and the bad value."""
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams(**{field: value})
     assert str(info.value).startswith(field) and repr(value) in str(info.value)
+
+
+@pytest.mark.parametrize("value", [[2**64 - 1], [-1], [True], [1.0], 5])
+def test_bad_stop_token_ids_are_refused_naming_the_field(value):
+    """stop_token_ids: ints (no bool, no float) that fit in 64 bits and are not negative."""
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=value)
+
+
+def test_a_bare_stop_string_is_one_stop_string():
+    """stop="abc" is the one stop string "abc", not three one-character ones."""
+    assert SamplingParams(stop="abc").stop == ("abc",)
+    assert SamplingParams(stop=["abc", "d"]).stop == ("abc", "d")
+
+
+def test_numbers_are_normalised_and_the_widest_seeds_accepted():
+    """An int where a float is expected becomes a float; any 64-bit seed is taken."""
+    params = SamplingParams(temperature=1, top_p=1, seed=2**64 - 1)
+    assert type(params.temperature) is float and type(params.top_p) is float
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
+    assert SamplingParams(temperature=MIN_TEMPERATURE).temperature == MIN_TEMPERATURE
 
 
 def test_sampling_params_limits_carry_the_stop_fields():
