@@ -39,6 +39,7 @@ from .fields import (
     check_alternatives, check_strs, kind, optional, wrong,
 )
 from .framing import HEADER_BYTES, MAX_FRAME_BYTES
+from .validation import MAX_CACHE_SALT_CHARS, MAX_TENANT_CHARS, RequestLimits, validate_request
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -91,7 +92,6 @@ DEFAULT_PORT = 8470
 DEFAULT_MAX_REQUEST_FRAME_BYTES = 1 << 20
 # Replies are bounded by one request's output (or a stats map); the framing limit is plenty.
 MAX_REPLY_FRAME_BYTES = MAX_FRAME_BYTES
-MAX_TENANT_CHARS = 256
 # Stream ids and query refs fit in a signed 64-bit int in any language.
 MAX_ID = (1 << 63) - 1
 
@@ -198,9 +198,10 @@ def _sampling_values(value: object, path: str) -> dict[str, Any]:
         elif name in _SAMPLING_BOOLS:
             fields[name] = _bool(item, where)
         elif name == "stop":
-            fields[name] = _strs(item, where)
+            # A bare str is one stop string, as in the embedded API.
+            fields[name] = item if type(item) is str else _strs(item, where)
         else:
-            fields[name] = _ids(item, where)
+            fields[name] = _int_array(item, where)
     return fields
 
 
@@ -209,6 +210,16 @@ def _chat_messages(value: object, path: str) -> list:
     for index, message in enumerate(_list(value, path)):
         _str(_dict(message, f"{path}[{index}]").get("role"), f"{path}[{index}].role")
     return value  # type: ignore[return-value]
+
+
+def _int_array(value: object, path: str) -> list[int]:
+    """An array of ints of any value: token ids are typed here and ranged against the
+    model by `validate_request`, so one out of range is an invalid request."""
+    items = _list(value, path)
+    for index, item in enumerate(items):
+        if type(item) is not int:
+            raise _wrong(f"{path}[{index}]", "int", item)
+    return items
 
 
 # ---------------------------------------------------------------------------
@@ -291,7 +302,7 @@ class Generate:
             elif type(prompt) is not str:
                 if type(prompt) is not list:
                     raise _wrong("Generate.prompt", "str or array of int", prompt)
-                _ids(prompt, "Generate.prompt")
+                _int_array(prompt, "Generate.prompt")
             fields = _sampling_values(m.get("params", {}), "Generate.params")
             try:
                 params = SamplingParams(**fields)
@@ -303,13 +314,27 @@ class Generate:
                 tenant=_str(m.get("tenant", "default"), "Generate.tenant", MAX_TENANT_CHARS),
                 deadline_s=_optional(_float, m.get("deadline_s"), "Generate.deadline_s"),
                 timeout_s=_optional(_float, m.get("timeout_s"), "Generate.timeout_s"),
-                cache_salt=_optional(_str, m.get("cache_salt"), "Generate.cache_salt", 1024),
+                cache_salt=_optional(_str, m.get("cache_salt"), "Generate.cache_salt",
+                                     MAX_CACHE_SALT_CHARS),
                 messages=messages,
             )
         except ProtocolError as exc:
             error = exc if isinstance(exc, MessageError) else MessageError(str(exc))
             error.stream = stream
             raise error from None
+
+    def refusal(self, limits: RequestLimits) -> Error | None:
+        """The Error that refuses this request for a model with `limits` (see
+        `validate_request`), or None when it may be queued."""
+        try:
+            validate_request(self.prompt, self.params, limits, priority=self.priority,
+                             tenant=self.tenant, deadline_s=self.deadline_s,
+                             timeout_s=self.timeout_s, cache_salt=self.cache_salt)
+        except InvalidRequestError as exc:
+            code = (ErrorCode.REQUEST_TOO_LONG if isinstance(exc, RequestTooLongError)
+                    else ErrorCode.INVALID_REQUEST)
+            return Error(code.value, str(exc), stream=self.stream)
+        return None
 
 
 @attrs.frozen

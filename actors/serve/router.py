@@ -51,6 +51,7 @@ from cadence.statemachine.errors import ConfigError
 
 from ..client import AsyncClient, AsyncStream, open_client, parse_address
 from ..framing import MAX_FRAME_BYTES
+from ..validation import RequestLimits
 from ..wire import (
     DEFAULT_MAX_REQUEST_FRAME_BYTES, Abort, Accepted, ClientTimeoutError, ConnectionClosedError,
     Error, ErrorCode, FrameBuffer, FrameTooLargeError, Generate, HealthQuery, HealthReply, Hello,
@@ -995,6 +996,10 @@ class _RouterConnection:
             await self.send(Error(ErrorCode.TOO_MANY_REQUESTS.value,
                                   f"this connection already has {len(self.streams)} live streams",
                                   stream=sid, limit="max_inflight_per_connection"))
+            return
+        refusal = message.refusal(RequestLimits.from_welcome(self.router.welcome))
+        if refusal is not None:
+            await self.send(refusal)  # refused here, so it reaches no replica
             return
         request = self.router.make_request(message)
         try:

@@ -331,7 +331,7 @@ async def test_engine_refusals_end_only_their_stream():
         await conn.send(HealthQuery(5))
         error, health = await conn.receive(), await conn.receive()
         assert (error.stream, error.code, error.fatal) == (4, "invalid_request", False)
-        assert "max_tokens must be >= 1" in error.message
+        assert "max_tokens must be in [1," in error.message
         assert type(health) is HealthReply  # the connection carries on
         await conn.aclose()
 
