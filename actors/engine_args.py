@@ -10,6 +10,7 @@ from cadence.statemachine.errors import ConfigError
 
 from .engine import EXECUTOR_KINDS, EngineConfig
 from .simulated import LatencyModel
+from .validation import DEFAULT_MAX_STOP_CHARS, DEFAULT_MAX_STOP_STRINGS
 
 __all__ = ["add_engine_arguments", "engine_config_from_args"]
 
@@ -35,6 +36,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"scheduling policy: {', '.join(POLICY_NAMES)} (default: fcfs)")
     group.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     group.add_argument("--seed", type=int, default=0, help="executor seed")
+    group.add_argument("--max-stop-strings", type=int, default=DEFAULT_MAX_STOP_STRINGS,
+                       help="stop strings one request may carry "
+                            f"(default: {DEFAULT_MAX_STOP_STRINGS})")
+    group.add_argument("--max-stop-chars", type=int, default=DEFAULT_MAX_STOP_CHARS,
+                       help=f"characters in one stop string (default: {DEFAULT_MAX_STOP_CHARS})")
     group.add_argument("--tp", type=int, default=None,
                        help="tensor-parallel ranks (default: 1, or WORLD_SIZE under a launcher "
                             "such as torchrun, where rank 0 serves and the others follow it)")
@@ -102,6 +108,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         num_blocks=args.num_blocks, block_size=args.block_size, policy=args.policy,
         enable_prefix_caching=not args.no_prefix_caching,
+        max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
         executor_options=_tp_options(args))
 
 

@@ -218,3 +218,22 @@ async def test_demo_model_refuses_out_of_vocabulary_stop_ids_and_keeps_serving()
                                                                   stop_token_ids=[257])).collect()
             assert len(result.token_ids) >= 2 and not engine.closed
             assert engine.scheduler.num_restarts == 0
+
+
+def test_serve_options_raise_the_stop_limits():
+    """`--max-stop-strings` / `--max-stop-chars` reach EngineConfig, checked there."""
+    import argparse
+
+    from cadence.actors.engine_args import add_engine_arguments, engine_config_from_args
+    from cadence.statemachine.errors import ConfigError
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    config = engine_config_from_args(parser.parse_args(["--max-stop-strings", "40",
+                                                         "--max-stop-chars", "1000"]))
+    assert (config.max_stop_strings, config.max_stop_chars) == (40, 1000)
+    defaults = engine_config_from_args(parser.parse_args([]))
+    assert (defaults.max_stop_strings, defaults.max_stop_chars) == (
+        DEFAULT_MAX_STOP_STRINGS, DEFAULT_MAX_STOP_CHARS)
+    with pytest.raises(ConfigError, match="max_stop_chars"):
+        engine_config_from_args(parser.parse_args(["--max-stop-chars", "0"]))
