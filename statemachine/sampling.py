@@ -72,11 +72,6 @@ def _as_float(field: str, value: object) -> float:
     return number
 
 
-def _in(field: str, value: float, low: float, high: float, text: str) -> None:
-    if not low <= value <= high:
-        raise _refuse(field, text, value)
-
-
 # field -> (kind, low, high, the range as a reader sees it); "int?" allows None.
 # Checked in this order; max_tokens comes first so min_tokens can refer to it.
 SAMPLING_RANGES: dict[str, tuple[str, float, float, str]] = {
@@ -95,13 +90,26 @@ SAMPLING_RANGES: dict[str, tuple[str, float, float, str]] = {
 }
 
 
-def _check_number(field: str, value: Any) -> Any:
-    kind, low, high, text = SAMPLING_RANGES[field]
-    if value is None and kind == "int?":
-        return None
-    number = _as_float(field, value) if kind == "float" else _as_int(field, value)
-    _in(field, number, low, high, text)
-    return number
+_RANGES = tuple((field, kind == "float", kind == "int?", low, high, text)
+                for field, (kind, low, high, text) in SAMPLING_RANGES.items())
+
+
+def _check_number(field: str, is_float: bool, optional: bool, low: float, high: float,
+                  text: str, value: Any) -> Any:
+    """The value as an int or a float, if it is one in range; else InvalidRequestError."""
+    if is_float:
+        if type(value) is not float or value != value or value in _INFINITIES:
+            value = _as_float(field, value)
+    elif type(value) is not int:
+        if value is None and optional:
+            return None
+        value = _as_int(field, value)
+    if not low <= value <= high:
+        raise _refuse(field, text, value)
+    return value
+
+
+_INFINITIES = (math.inf, -math.inf)
 
 
 def _stop_strings(value: object) -> tuple[str, ...]:
@@ -159,9 +167,16 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __attrs_post_init__(self) -> None:
-        for field in SAMPLING_RANGES:
-            value = _check_number(field, getattr(self, field))
-            object.__setattr__(self, field, value)  # ints as int, reals as float
+        for field, is_float, optional, low, high, text in _RANGES:
+            value = getattr(self, field)
+            # The common case, a number of the right type in range, costs one test;
+            # `value - value == 0` is false for inf and nan.
+            if type(value) is (float if is_float else int) and low <= value <= high \
+                    and value - value == 0:
+                continue
+            checked = _check_number(field, is_float, optional, low, high, text, value)
+            if checked is not value:
+                object.__setattr__(self, field, checked)  # ints as int, reals as float
         if self.min_tokens > self.max_tokens:
             raise _refuse("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
         if 0.0 < self.temperature < MIN_TEMPERATURE:
