@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import random
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Mapping, Sequence, Union
+from typing import AsyncIterator, Mapping, Union
 
 import attrs
 import trio
@@ -39,7 +39,7 @@ from .scheduler_actor import SchedulerActor, StepListener
 from .simulated import LatencyModel, SimulatedExecutor
 from .trace import TraceRecorder
 from .validation import (
-    DEFAULT_MAX_STOP_CHARS, DEFAULT_MAX_STOP_STRINGS, RequestLimits, check_token_ids,
+    DEFAULT_MAX_STOP_CHARS, DEFAULT_MAX_STOP_STRINGS, Prompt, RequestLimits, check_token_ids,
     validate_request,
 )
 
@@ -59,8 +59,6 @@ _OFF_LOOP_PROMPT_CHARS = 8192
 _OFF_LOOP_STOP_CHARS = 2048
 # Worker threads tokenising at once, so large prompts queue rather than crowd the loop.
 _TOKENIZER_THREADS = 2
-
-Prompt = Union[str, Sequence[int]]
 
 
 def _positive(instance, attribute, value) -> None:

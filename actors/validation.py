@@ -21,11 +21,11 @@ from typing import Sequence, Union
 
 import attrs
 
-from cadence.statemachine.errors import InvalidRequestError, RequestTooLongError
+from cadence.statemachine.errors import ConfigError, InvalidRequestError, RequestTooLongError
 from cadence.statemachine.sampling import MAX_INT64, SamplingParams
 
 __all__ = [
-    "RequestLimits", "validate_request", "check_token_ids", "check_prompt_bytes",
+    "Prompt", "RequestLimits", "validate_request", "check_token_ids", "check_prompt_bytes",
     "DEFAULT_MAX_STOP_STRINGS", "DEFAULT_MAX_STOP_CHARS", "MAX_TENANT_CHARS",
     "MAX_CACHE_SALT_CHARS",
 ]
@@ -42,7 +42,7 @@ Prompt = Union[str, Sequence[int]]
 
 def _at_least_one(instance, attribute, value) -> None:
     if value is not None and value < 1:
-        raise ValueError(f"{attribute.name} must be >= 1, got {value!r}")
+        raise ConfigError(f"{attribute.name} must be >= 1 (or None), got {value!r}")
 
 
 @attrs.frozen
