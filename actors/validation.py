@@ -77,7 +77,7 @@ class RequestLimits:
 
 
 def validate_request(
-    prompt: Prompt,
+    prompt: Prompt | None,
     params: SamplingParams | None,
     limits: RequestLimits,
     *,
@@ -89,7 +89,8 @@ def validate_request(
 ) -> SamplingParams:
     """Check a whole request; return its sampling parameters (the defaults for None).
 
-    Raises InvalidRequestError for a field out of range for this model, and
+    A prompt of None is left to be checked once it exists (a chat conversation the
+    server renders later); everything else is checked now. Raises InvalidRequestError for a field out of range for this model, and
     RequestTooLongError when the prompt cannot fit `max_model_len`.
     """
     params = SamplingParams() if params is None else params
@@ -97,6 +98,8 @@ def validate_request(
         raise InvalidRequestError(f"params must be SamplingParams, got {type(params).__name__}")
     _check_params(params, limits)
     _check_options(priority, tenant, deadline_s, timeout_s, cache_salt)
+    if prompt is None:
+        return params
     if isinstance(prompt, str):
         if not limits.has_tokenizer:
             raise InvalidRequestError("prompt: text prompts need a tokenizer; this engine has "

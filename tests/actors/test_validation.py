@@ -237,3 +237,9 @@ def test_serve_options_raise_the_stop_limits():
         DEFAULT_MAX_STOP_STRINGS, DEFAULT_MAX_STOP_CHARS)
     with pytest.raises(ConfigError, match="max_stop_chars"):
         engine_config_from_args(parser.parse_args(["--max-stop-chars", "0"]))
+
+
+def test_a_prompt_still_to_be_rendered_leaves_only_its_parameters_to_check():
+    """A chat conversation becomes a prompt later; its parameters are checked now."""
+    assert validate_request(None, SamplingParams(max_tokens=3), LIMITS).max_tokens == 3
+    assert "top_k" in refused(None, SamplingParams(top_k=VOCAB + 1))
