@@ -27,7 +27,7 @@ from cadence.gpu.parallel import RankGroup, decode_command, encode_command, loca
 from cadence.gpu.runner import ModelRunner
 from cadence.statemachine.errors import ConfigError, ExecutorError, WeightShapeError
 from cadence.statemachine.plan import NewRequestData, StepPlan
-from cadence.statemachine.sampling import SamplingParams
+from cadence.statemachine.sampling import MIN_TEMPERATURE, SamplingParams
 
 from conftest import PlanDriver, build_hf_model, random_prompts
 
@@ -153,7 +153,7 @@ def test_commands_round_trip_through_msgpack():
 
 _ids = st.text(min_size=1, max_size=8)
 _tokens = st.lists(st.integers(0, 2**31), max_size=6)
-_params = st.builds(SamplingParams, temperature=st.floats(0.0, 2.0), top_k=st.integers(0, 50),
+_params = st.builds(SamplingParams, temperature=st.just(0.0) | st.floats(MIN_TEMPERATURE, 2.0), top_k=st.integers(0, 50),
                     seed=st.none() | st.integers(0, 2**63 - 1), stop=st.lists(st.text(min_size=1, max_size=3), max_size=2),
                     stop_token_ids=st.lists(st.integers(0, 1000), max_size=3), logprobs=st.none() | st.integers(0, 5))
 _plans = st.builds(
