@@ -243,3 +243,14 @@ def test_a_prompt_still_to_be_rendered_leaves_only_its_parameters_to_check():
     """A chat conversation becomes a prompt later; its parameters are checked now."""
     assert validate_request(None, SamplingParams(max_tokens=3), LIMITS).max_tokens == 3
     assert "top_k" in refused(None, SamplingParams(top_k=VOCAB + 1))
+
+
+async def test_an_executor_reporting_an_eos_id_outside_its_vocabulary_is_refused(autojump_clock):
+    """EOS ids are token ids too: the engine refuses to start on ones past the vocabulary."""
+    from cadence.actors.simulated import SimulatedExecutor, ZERO_LATENCY
+    from cadence.statemachine.errors import ExecutorError
+
+    backend = SimulatedExecutor(ZERO_LATENCY, vocab_size=10, eos_token_id=10)
+    with pytest.raises(ExecutorError, match=r"eos_token_ids\[0\].*vocab_size=10"):
+        async with open_engine(EngineConfig(executor=backend, tokenizer=None)):
+            pass
