@@ -28,16 +28,18 @@ def model_config() -> EngineConfig:
 
 
 @pytest.mark.parametrize("poison", [
-    SamplingParams(max_tokens=3, temperature=1.0, top_k=2**63),
-    SamplingParams(max_tokens=3, temperature=0.0, min_tokens=2, stop_token_ids=[100_000]),
+    dict(max_tokens=3, temperature=1.0, top_k=2**63),
+    dict(max_tokens=3, temperature=0.0, min_tokens=2, stop_token_ids=[100_000]),
 ], ids=["top_k_2_63", "stop_token_out_of_vocab"])
 async def test_a_request_the_model_cannot_sample_fails_alone_and_the_engine_stays_open(poison):
     outcomes: dict[str, object] = {}
     with trio.fail_after(GUARD_S):
         async with open_engine(model_config()) as engine:
 
-            async def one(rid: str, params: SamplingParams) -> None:
+            async def one(rid: str, params: SamplingParams | dict) -> None:
                 try:
+                    if isinstance(params, dict):
+                        params = SamplingParams(**params)  # may be refused right here
                     outcomes[rid] = (await engine.generate([5, 6, 7, 8], params, request_id=rid).collect()).token_ids
                 except (InvalidRequestError, PoisonRequestError) as exc:
                     outcomes[rid] = exc
