@@ -460,6 +460,12 @@ async def open_engine(config: EngineConfig | None = None, *,
         max_model_len=sched_config.max_model_len,
         max_num_batched_tokens=sched_config.max_num_batched_tokens,
         seed=config.seed, options=dict(config.executor_options))
+    bytes_per_token = None
+    if getattr(tokenizer, "max_bytes_per_token", None) is not None:
+        bytes_per_token = max_bytes_per_token(tokenizer)
+    elif tokenizer is not None:
+        # Reading a large vocabulary takes a moment; nothing of this engine runs yet.
+        bytes_per_token = await trio.to_thread.run_sync(max_bytes_per_token, tokenizer)
     trace = None
     if config.trace_path is not None or config.record_trace:
         trace = TraceRecorder(config.trace_path, keep=config.record_trace)
@@ -476,9 +482,6 @@ async def open_engine(config: EngineConfig | None = None, *,
             check_token_ids("eos_token_ids", ready.eos_token_ids, ready.vocab_size)
         except InvalidRequestError as exc:
             raise ExecutorError(f"the executor reports {exc}") from None
-        bytes_per_token = None
-        if tokenizer is not None:
-            bytes_per_token = await trio.to_thread.run_sync(max_bytes_per_token, tokenizer)
         core = Scheduler(sched_config, attrs.evolve(cache, num_blocks=ready.num_blocks))
         async with trio.open_nursery() as nursery:
             scheduler = SchedulerActor(

@@ -121,9 +121,12 @@ async def test_a_refused_prompt_leaves_the_step_planned_ahead_too():
 
 async def test_sampling_parameters_that_cannot_be_sent_fail_that_request_alone():
     """A seed past 64 bits cannot be encoded for the child: that request fails,
-    named, and the step goes out without it."""
+    named, and the step goes out without it. SamplingParams refuses such a seed
+    where it is built; it is forced in here to reach this second line of defence."""
     prompts = {"a": prompt("a"), "huge-seed": prompt("huge-seed"), "b": prompt("b")}
-    params = {"huge-seed": SamplingParams(max_tokens=MAX_TOKENS, seed=2**70)}
+    huge = SamplingParams(max_tokens=MAX_TOKENS)
+    object.__setattr__(huge, "seed", 2**70)
+    params = {"huge-seed": huge}
     with trio.fail_after(GUARD_S):
         async with open_engine(process_config()) as engine:
             outcomes = await run_all(engine, prompts, params)
