@@ -260,8 +260,10 @@ def build_runner(init: InitExecutor) -> ModelRunnerLike:
     `init.seed`; anything else is read as a Hugging Face checkpoint directory.
     Options understood for real models: attention_backend (str), fused_elementwise
     (bool, one device only: RMSNorm and SwiGLU as single Triton kernels),
-    gpu_memory_utilization (float), max_num_seqs (int), and tp (int: shard
-    the model across that many local ranks, see `_build_tensor_parallel_runner`).
+    gpu_memory_utilization (float), max_num_seqs (int), num_threads ("auto" or
+    int: torch's CPU threads, set here in the thread that runs the model before
+    its first kernel; see cadence.gpu.threads), and tp (int: shard the model
+    across that many local ranks, see `_build_tensor_parallel_runner`).
     """
     if init.model == SIMULATED_MODEL:
         return DeterministicRunner(init)
@@ -289,7 +291,8 @@ def build_runner(init: InitExecutor) -> ModelRunnerLike:
         "seed": init.seed,
         "max_num_batched_tokens": init.max_num_batched_tokens,
     }
-    for name in ("attention_backend", "gpu_memory_utilization", "max_num_seqs", "fused_elementwise"):
+    for name in ("attention_backend", "gpu_memory_utilization", "max_num_seqs", "fused_elementwise",
+                 "num_threads"):
         if name in options:
             kwargs[name] = options[name]
     if init.model in gpu_config.PRESETS:

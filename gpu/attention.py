@@ -28,6 +28,9 @@ class AttentionMetadata:
       (cached tokens plus this step's tokens).
     block_tables: [num_seqs, max_blocks_per_seq] int32, padded with 0.
     max_query_len, max_seq_len: host ints, maxima of the above.
+    num_decode_seqs: the first sequences that each have exactly one query token.
+    padded_layout: what the "sdpa" backend derives from the above on a step's
+      first layer, for the others to reuse; None until then.
     The query token j of sequence s sits at position seq_lens[s] - q_len[s] + j and
     attends to context positions <= its own.
     """
@@ -39,6 +42,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     num_decode_seqs: int = 0
+    padded_layout: PaddedLayout | None = attrs.field(default=None, repr=False, eq=False)
 
 
 def write_kv(
@@ -87,6 +91,79 @@ def reference_paged_attention(
     return out
 
 
+@attrs.frozen
+class PaddedLayout:
+    """One step's sequences as padded rows for batched attention; the same for every layer.
+
+    block_ids: [num_seqs * num_blocks] int64, each sequence's first `num_blocks`
+      cache blocks, row after row: one gather brings its keys (or values) as
+      [num_seqs, num_blocks * block_size] rows.
+    decode_mask: [num_decodes, 1, 1, width] bool, which keys each decode attends
+      to; None when every decode sees the whole width.
+    The prefill fields cover the sequences after the decodes:
+    prefill_mask: [num_prefills, 1, group * max_query_len, width] bool, causal,
+      the query rows of one KV head's group of query heads stacked (see
+      `_grouped_queries`).
+    token_rows: [num_prefill_tokens] int64, the padded row (sequence * max_query_len
+      + index in sequence) of each prefill token.
+    """
+
+    block_ids: torch.Tensor
+    width: int
+    num_decodes: int
+    decode_mask: torch.Tensor | None
+    prefill_mask: torch.Tensor | None
+    token_rows: torch.Tensor | None
+
+
+def padded_layout(meta: AttentionMetadata, block_size: int, group: int, device: torch.device) -> PaddedLayout:
+    """The layout of `meta` for attention with `group` query heads per KV head."""
+    num_seqs = meta.seq_lens.shape[0]
+    num_blocks = -(-meta.max_seq_len // block_size)
+    width = num_blocks * block_size
+    block_ids = meta.block_tables[:, :num_blocks].reshape(-1).long()
+    seq_lens = meta.seq_lens.long()
+    key_pos = torch.arange(width, device=device)
+    num_decodes = meta.num_decode_seqs
+    decode_mask = None
+    if num_decodes and int(seq_lens[:num_decodes].min()) < width:
+        decode_mask = (key_pos < seq_lens[:num_decodes, None])[:, None, None, :]
+    prefill_mask = token_rows = None
+    if num_decodes < num_seqs:
+        starts = meta.query_start_loc[num_decodes:].long()
+        q_lens = starts[1:] - starts[:-1]
+        num_prefills, max_query_len = num_seqs - num_decodes, meta.max_query_len
+        num_tokens = int(starts[-1] - starts[0])
+        seq_of_token = torch.repeat_interleave(
+            torch.arange(num_prefills, device=device), q_lens, output_size=num_tokens)
+        index_in_seq = torch.arange(num_tokens, device=device) + starts[0] - starts[seq_of_token]
+        token_rows = seq_of_token * max_query_len + index_in_seq
+        query_pos = (seq_lens[num_decodes:] - q_lens)[:, None] + torch.arange(max_query_len, device=device)
+        causal = key_pos[None, None, :] <= query_pos[:, :, None]
+        prefill_mask = causal[:, None].expand(num_prefills, group, max_query_len, width).reshape(
+            num_prefills, 1, group * max_query_len, width)
+    return PaddedLayout(block_ids, width, num_decodes, decode_mask, prefill_mask, token_rows)
+
+
+def _gather_rows(cache: torch.Tensor, layout: PaddedLayout, first: int, last: int) -> torch.Tensor:
+    """Keys or values of sequences [first, last) as [num, num_kv_heads, width, head_dim]."""
+    num_blocks = layout.width // cache.shape[1]
+    rows = cache.index_select(0, layout.block_ids[first * num_blocks : last * num_blocks])
+    return rows.view(last - first, layout.width, *cache.shape[2:]).transpose(1, 2)
+
+
+def _grouped_queries(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[num, max_query_len, num_heads, D] as [num, num_kv_heads, group * max_query_len, D].
+
+    Each KV head attends for its whole group of query heads in one product, so
+    keys and values are never repeated per query head.
+    """
+    num, max_query_len, num_heads, head_dim = query.shape
+    group = num_heads // num_kv_heads
+    grouped = query.view(num, max_query_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    return grouped.reshape(num, num_kv_heads, group * max_query_len, head_dim)
+
+
 def sdpa_paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -94,37 +171,40 @@ def sdpa_paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Same result as the reference, batched: pad every sequence to the longest and run one SDPA.
+    """Same result as the reference, batched: decodes in one SDPA, prefills padded to the longest in another.
 
-    Needs no host synchronisation beyond `max_query_len` and `max_seq_len`, so it
-    is a usable GPU path where no paged kernel is available.
+    Keys and values are gathered a whole block at a time (positions past a
+    sequence's end are masked out); the indices and masks are computed once per
+    step (`PaddedLayout`, kept on `meta`) and reused by every layer. Needs no
+    host synchronisation beyond `max_query_len` and `max_seq_len`, so it is a
+    usable GPU path where no paged kernel is available.
     """
     num_tokens, num_heads, head_dim = query.shape
-    num_seqs = meta.seq_lens.shape[0]
-    block_size = k_cache.shape[1]
-    device = query.device
-    num_blocks = -(-meta.max_seq_len // block_size)
-    tables = meta.block_tables[:, :num_blocks].long()
-    k = k_cache[tables].flatten(1, 2)[:, : meta.max_seq_len]
-    v = v_cache[tables].flatten(1, 2)[:, : meta.max_seq_len]
-    starts = meta.query_start_loc.long()
-    q_lens = starts[1:] - starts[:-1]
-    seq_of_token = torch.repeat_interleave(
-        torch.arange(num_seqs, device=device), q_lens, output_size=num_tokens
-    )
-    index_in_seq = torch.arange(num_tokens, device=device) - starts[seq_of_token]
-    padded = query.new_zeros(num_seqs, meta.max_query_len, num_heads, head_dim)
-    padded[seq_of_token, index_in_seq] = query
-    query_pos = (meta.seq_lens.long() - q_lens)[:, None] + torch.arange(meta.max_query_len, device=device)
-    key_pos = torch.arange(meta.max_seq_len, device=device)
-    mask = key_pos[None, None, :] <= query_pos[:, :, None]
-    num_queries_per_kv = num_heads // k_cache.shape[2]
-    k = k.repeat_interleave(num_queries_per_kv, dim=2)
-    v = v.repeat_interleave(num_queries_per_kv, dim=2)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        padded.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], scale=scale
-    )
-    return out.transpose(1, 2)[seq_of_token, index_in_seq]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    layout = meta.padded_layout
+    if layout is None:
+        layout = meta.padded_layout = padded_layout(meta, k_cache.shape[1], group, query.device)
+    num_seqs, num_decodes = meta.seq_lens.shape[0], layout.num_decodes
+    out = torch.empty_like(query)
+    attend = torch.nn.functional.scaled_dot_product_attention
+    if num_decodes:
+        q = query[:num_decodes].view(num_decodes, num_kv_heads, group, head_dim)
+        k = _gather_rows(k_cache, layout, 0, num_decodes)
+        v = _gather_rows(v_cache, layout, 0, num_decodes)
+        out[:num_decodes] = attend(q, k, v, attn_mask=layout.decode_mask, scale=scale).view(
+            num_decodes, num_heads, head_dim)
+    if num_decodes < num_seqs:
+        num_prefills, max_query_len = num_seqs - num_decodes, meta.max_query_len
+        padded = query.new_zeros(num_prefills * max_query_len, num_heads, head_dim)
+        padded[layout.token_rows] = query[num_decodes:]
+        q = _grouped_queries(padded.view(num_prefills, max_query_len, num_heads, head_dim), num_kv_heads)
+        k = _gather_rows(k_cache, layout, num_decodes, num_seqs)
+        v = _gather_rows(v_cache, layout, num_decodes, num_seqs)
+        grouped = attend(q, k, v, attn_mask=layout.prefill_mask, scale=scale)
+        rows = grouped.view(num_prefills, num_kv_heads, group, max_query_len, head_dim).permute(0, 3, 1, 2, 4)
+        out[num_decodes:] = rows.reshape(num_prefills * max_query_len, num_heads, head_dim)[layout.token_rows]
+    return out
 
 
 @attrs.frozen

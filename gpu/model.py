@@ -27,6 +27,22 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 INIT_STD = 0.02
 
 
+class Linear(nn.Linear):
+    """`nn.Linear` whose parameters are allocated but not initialised: the loader
+    or `init_random_weights` fills them, so the default initialisation is wasted work
+    (and on the meta device it pulls in torch's compiler stack)."""
+
+    def reset_parameters(self) -> None:
+        """Leave the parameters as allocated."""
+
+
+class Embedding(nn.Embedding):
+    """`nn.Embedding` whose table is allocated but not initialised (see `Linear`)."""
+
+    def reset_parameters(self) -> None:
+        """Leave the table as allocated."""
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square normalisation over the last dimension, computed in float32.
 
@@ -114,10 +130,10 @@ class Attention(nn.Module):
         self.backend = backend
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         linear = dict(dtype=dtype, device=device)
-        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.qkv_bias, **linear)
-        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias, **linear)
-        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias, **linear)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias, **linear)
+        self.q_proj = Linear(config.hidden_size, q_size, bias=config.qkv_bias, **linear)
+        self.k_proj = Linear(config.hidden_size, kv_size, bias=config.qkv_bias, **linear)
+        self.v_proj = Linear(config.hidden_size, kv_size, bias=config.qkv_bias, **linear)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias, **linear)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **linear)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **linear)
@@ -161,9 +177,9 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype=None, device=None) -> None:
         super().__init__()
         linear = dict(bias=config.mlp_bias, dtype=dtype, device=device)
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, **linear)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, **linear)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, **linear)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, **linear)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, **linear)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, **linear)
         self.fused = None  # the triton_fused module when fused, else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -195,7 +211,7 @@ class DecoderStack(nn.Module):
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype=None, device=None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
             DecoderLayer(config, backend, dtype, device) for _ in range(config.num_layers)
         )
@@ -221,7 +237,7 @@ class CausalLM(nn.Module):
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
+            else Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
         )
 
     def forward(
@@ -268,9 +284,7 @@ def build_model(
     config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: torch.device | str
 ) -> CausalLM:
     """A model whose parameters are allocated on `device` but not initialised."""
-    with torch.device("meta"):
-        model = CausalLM(config, backend, dtype)
-    return model.to_empty(device=device).eval()
+    return CausalLM(config, backend, dtype, device).eval()
 
 
 @torch.no_grad()

@@ -47,7 +47,7 @@ from cadence.statemachine.sampling import SamplingParams
 from .config import PRESETS, ModelConfig
 from .errors import CheckpointError, MissingWeightError, UnexpectedWeightError, WeightShapeError
 from .loader import IGNORED_SUFFIXES, checkpoint_files
-from .model import CausalLM, init_random_weights
+from .model import CausalLM, Embedding, Linear, init_random_weights
 from .runner import ModelRunner
 
 __all__ = [
@@ -176,7 +176,7 @@ def _splits(config: ModelConfig, tp: int) -> bool:
     return not (config.num_heads % tp or config.num_kv_heads % tp or config.intermediate_size % tp)
 
 
-class VocabParallelEmbedding(nn.Embedding):
+class VocabParallelEmbedding(Embedding):
     """The rows of the embedding for one vocabulary slice; other tokens embed to 0 before the sum."""
 
     def __init__(self, num_local: int, dim: int, vocab_start: int, group: RankGroup, dtype=None) -> None:
@@ -192,7 +192,7 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.group.all_reduce(hidden.masked_fill(outside[:, None], 0.0))
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """A linear layer over this rank's slice of the input features; outputs are summed across ranks."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group: RankGroup, dtype=None) -> None:
@@ -381,6 +381,8 @@ class TensorParallelRunner(ModelRunner):
         self._closed = False
         local_config(model_config, group.world_size)
         kwargs.update(device=group.device, use_cuda_graphs=False, pad_decode_batches=False)
+        # Each rank's threads are set where the rank starts (tp_num_threads), not per runner.
+        kwargs.setdefault("num_threads", None)
         super().__init__(model_config, **kwargs)
 
     @property

@@ -37,6 +37,7 @@ from .worklist import BalanceConfig
 from .loader import load_weights
 from .model import build_model, init_random_weights
 from .sampler import Sampler
+from .threads import AUTO, resolve_num_threads, set_num_threads
 
 # Sampling parameters of the profiling pass: a full sort of the vocabulary is
 # the sampler's largest temporary.
@@ -175,6 +176,17 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return device
 
 
+def default_attention_backend(device: torch.device) -> str:
+    """"sdpa" on CPU; on CUDA "triton" (the paged kernels, with decode graphs) where triton imports."""
+    if device.type != "cuda":
+        return "sdpa"
+    try:
+        import triton  # noqa: F401  (only asked whether it is installed)
+    except ImportError:
+        return "sdpa"
+    return "triton"
+
+
 def default_dtype(config: ModelConfig, device: torch.device) -> torch.dtype:
     """float32 on CPU; on GPU the checkpoint's half-precision dtype, bfloat16 otherwise."""
     if device.type == "cpu":
@@ -192,6 +204,11 @@ class ModelRunner:
       random from `seed`.
     dtype: a torch dtype or its name ("bfloat16", "bf16", ...); None or "auto"
       is float32 on CPU and the checkpoint's half precision (else bfloat16) on GPU.
+    attention_backend: "reference", "sdpa" or "triton"; "auto" is sdpa on CPU and
+      triton on CUDA (see `default_attention_backend`).
+    num_threads: torch's CPU threads while this runner computes, set from the
+      constructing thread before the first kernel (which should be the thread that
+      runs `execute`); "auto" follows `cadence.gpu.threads`, None leaves torch's.
     max_model_len: longest sequence accepted; None is the model's own limit.
     use_cuda_graphs: replay CUDA graphs for pure-decode steps of up to
       `max_num_seqs` sequences; None means on for CUDA with the "triton" backend.
@@ -213,7 +230,7 @@ class ModelRunner:
         block_size: int = 16,
         device: str | torch.device = "auto",
         dtype: torch.dtype | str | None = None,
-        attention_backend: str = "reference",
+        attention_backend: str = AUTO,
         seed: int = 0,
         weights_path: str | Path | None = None,
         gpu_memory_utilization: float = 0.9,
@@ -224,6 +241,7 @@ class ModelRunner:
         pad_decode_batches: bool = False,
         fused_elementwise: bool = False,
         balanced_decode_attention: bool | BalanceConfig = False,
+        num_threads: int | str | None = AUTO,
     ) -> None:
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}")
@@ -237,6 +255,10 @@ class ModelRunner:
             )
         self.config = model_config
         self.device = resolve_device(device)
+        self.num_threads = resolve_num_threads(num_threads, model_config, self.device)
+        set_num_threads(self.num_threads)
+        if attention_backend == AUTO:
+            attention_backend = default_attention_backend(self.device)
         if isinstance(dtype, str) and dtype != "auto":
             if dtype not in DTYPES:
                 raise ConfigError(f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got {dtype!r}")
