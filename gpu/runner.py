@@ -14,8 +14,9 @@ CUDA graph (see `cuda_graphs`).
 
 from __future__ import annotations
 
+import math
+import mmap
 import os
-
 import time
 from array import array
 from collections.abc import Sequence as SequenceABC
@@ -164,6 +165,13 @@ def int64_tensor(values) -> torch.Tensor:
     if not packed:
         return torch.empty(0, dtype=torch.int64)
     return torch.frombuffer(packed, dtype=torch.int64)
+
+
+def zeroed_cpu_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor in anonymous memory: the kernel hands out zero pages as they
+    are first touched, so a large cache costs nothing until used (torch.zeros writes every byte)."""
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, num_bytes), dtype=dtype).view(*shape)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -675,11 +683,12 @@ class ModelRunner:
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         c = self.config
+        shape = (c.num_layers, 2, num_blocks + NUM_SCRATCH_BLOCKS, self.block_size, self.num_local_kv_heads, c.head_dim)
         # Zeroed, not empty: attention multiplies masked-out cache entries by 0, and NaN * 0 is NaN.
-        cache = torch.zeros(
-            c.num_layers, 2, num_blocks + NUM_SCRATCH_BLOCKS, self.block_size, self.num_local_kv_heads, c.head_dim,
-            dtype=self.dtype, device=self.device,
-        )
+        if self.device.type == "cpu":
+            cache = zeroed_cpu_tensor(shape, self.dtype)
+        else:
+            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         return [(cache[layer, 0], cache[layer, 1]) for layer in range(c.num_layers)]
 
     def _graph_pool_bytes(self, max_num_seqs: int) -> int:
