@@ -53,8 +53,10 @@ def write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Store each new token's key and value [T, Hkv, D] at its cache slot."""
-    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = key.to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = value.to(v_cache.dtype)
+    if key.dtype != k_cache.dtype:
+        key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)
 
 
 def reference_paged_attention(
@@ -186,14 +188,17 @@ def sdpa_paged_attention(
     if layout is None:
         layout = meta.padded_layout = padded_layout(meta, k_cache.shape[1], group, query.device)
     num_seqs, num_decodes = meta.seq_lens.shape[0], layout.num_decodes
-    out = torch.empty_like(query)
     attend = torch.nn.functional.scaled_dot_product_attention
     if num_decodes:
         q = query[:num_decodes].view(num_decodes, num_kv_heads, group, head_dim)
         k = _gather_rows(k_cache, layout, 0, num_decodes)
         v = _gather_rows(v_cache, layout, 0, num_decodes)
-        out[:num_decodes] = attend(q, k, v, attn_mask=layout.decode_mask, scale=scale).view(
-            num_decodes, num_heads, head_dim)
+        decoded = attend(q, k, v, attn_mask=layout.decode_mask, scale=scale).view(num_decodes, num_heads, head_dim)
+        if num_decodes == num_seqs:
+            return decoded
+    out = torch.empty_like(query)
+    if num_decodes:
+        out[:num_decodes] = decoded
     if num_decodes < num_seqs:
         num_prefills, max_query_len = num_seqs - num_decodes, meta.max_query_len
         padded = query.new_zeros(num_prefills * max_query_len, num_heads, head_dim)
