@@ -35,10 +35,13 @@ def dense_attention(q, k, v, scale):
     return out
 
 
-def paged_case(seed: int = 0):
-    """A mixed batch: two decodes, a chunk after a cached prefix, a fresh prefill; blocks shuffled."""
+MIXED = [(1, 9), (1, 1), (5, 14), (7, 7)]  # (query len, context len): decodes first, as the runner orders them
+
+
+def paged_case(seed: int = 0, specs=MIXED):
+    """A batch of (query len, context len) sequences, by default two decodes, a chunk after a
+    cached prefix and a fresh prefill; blocks shuffled."""
     gen = torch.Generator().manual_seed(seed)
-    specs = [(1, 9), (1, 1), (5, 14), (7, 7)]  # (query len, context len)
     k_cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     v_cache = torch.zeros_like(k_cache)
     blocks = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
@@ -63,14 +66,17 @@ def paged_case(seed: int = 0):
         block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32),
         max_query_len=int(q_lens.max()),
         max_seq_len=max(s for _, s in specs),
-        num_decode_seqs=2,
+        num_decode_seqs=sum(q == 1 for q, _ in specs),
     )
     return torch.cat(queries), k_cache, v_cache, meta, contexts
 
 
+@pytest.mark.parametrize(
+    "specs", [MIXED, [(1, 9), (1, 1), (1, 16), (1, 17)], [(1, 16)], [(5, 14), (7, 7)], [(3, 3)]],
+    ids=["mixed", "decodes-only", "one-decode-filling-its-blocks", "prefills-only", "one-prefill"])
 @pytest.mark.parametrize("attention", [reference_paged_attention, sdpa_paged_attention])
-def test_paged_attention_matches_dense(attention):
-    query, k_cache, v_cache, meta, contexts = paged_case()
+def test_paged_attention_matches_dense(attention, specs):
+    query, k_cache, v_cache, meta, contexts = paged_case(specs=specs)
     scale = HEAD_DIM**-0.5
     out = attention(query, k_cache, v_cache, meta, scale)
     starts = meta.query_start_loc.tolist()
@@ -97,3 +103,14 @@ def test_backend_selection():
     assert triton.paged_attention.__module__ == "cadence.gpu.triton_attention"
     with pytest.raises(ConfigError, match="unknown attention backend 'flash'"):
         get_attention_backend("flash")
+
+
+def test_sdpa_layout_is_computed_once_per_step_and_shared_by_layers():
+    query, k_cache, v_cache, meta, _ = paged_case()
+    scale = HEAD_DIM**-0.5
+    first = sdpa_paged_attention(query, k_cache, v_cache, meta, scale)
+    layout = meta.padded_layout
+    assert layout is not None and layout.num_decodes == 2 and layout.width == 16
+    second = sdpa_paged_attention(query, k_cache, v_cache, meta, scale)
+    assert meta.padded_layout is layout
+    torch.testing.assert_close(first, second)

@@ -227,3 +227,19 @@ def test_a_sampling_fault_of_every_row_fails_the_step(runner):
     with pytest.raises(ValueError, match="Overflow"):
         first_step(runner, {"a": [1, 2], "b": [3, 4]}, {"a": bad, "b": bad})
     assert runner.take_failed() == {}
+
+
+def test_cpu_cache_starts_zeroed_and_each_layer_writes_its_own_memory():
+    from cadence.gpu.runner import zeroed_cpu_tensor
+
+    cache = zeroed_cpu_tensor((2, 3, 4), torch.bfloat16)
+    assert cache.shape == (2, 3, 4) and cache.dtype == torch.bfloat16 and not cache.any()
+    fresh = ModelRunner(preset("tiny"), num_blocks=4, block_size=BLOCK_SIZE, device="cpu")
+    assert all(not k.any() and not v.any() for k, v in fresh.kv_caches)
+    fresh.kv_caches[0][0].fill_(1.0)
+    assert not fresh.kv_caches[0][1].any() and not fresh.kv_caches[1][0].any()
+
+
+def test_cpu_runs_sdpa_attention_by_default():
+    fresh = ModelRunner(preset("tiny"), num_blocks=4, block_size=BLOCK_SIZE, device="cpu")
+    assert fresh.backend.name == "sdpa"

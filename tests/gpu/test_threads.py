@@ -1,0 +1,83 @@
+"""The runner's CPU thread policy: sized from the model and the usable cores, set in the runner's own thread."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+import torch
+
+from cadence.actors.executor_worker import build_runner
+from cadence.actors.messages import InitExecutor
+from cadence.gpu import ModelRunner, preset
+from cadence.gpu.threads import (
+    SMALL_MODEL_MACS,
+    auto_num_threads,
+    macs_per_token,
+    resolve_num_threads,
+)
+from cadence.statemachine.errors import ConfigError
+
+CPU = torch.device("cpu")
+
+
+def in_fresh_thread(fn):
+    """Run `fn` on a new thread (one that has run no torch kernel yet) and return its result."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(fn).result()
+
+
+def test_small_models_get_one_thread_whatever_the_cores():
+    tiny = preset("tiny")
+    assert macs_per_token(tiny) < SMALL_MODEL_MACS
+    assert [auto_num_threads(tiny, cores) for cores in (1, 2, 16, 64)] == [1, 1, 1, 1]
+
+
+def test_larger_models_get_half_the_usable_cores():
+    big = preset("qwen3-0.6b")
+    assert macs_per_token(big) >= SMALL_MODEL_MACS
+    assert [auto_num_threads(big, cores) for cores in (1, 2, 3, 16)] == [1, 1, 1, 8]
+
+
+@pytest.mark.parametrize("value", [0, -1, "many", 1.5, True])
+def test_bad_thread_counts_name_the_option(value):
+    with pytest.raises(ConfigError, match=r"num_threads must be 'auto' or an integer >= 1, got"):
+        resolve_num_threads(value, preset("tiny"), CPU)
+
+
+def test_explicit_none_and_accelerator_values():
+    assert resolve_num_threads(3, preset("tiny"), CPU) == 3
+    assert resolve_num_threads(None, preset("tiny"), CPU) is None
+    assert resolve_num_threads("auto", preset("tiny"), CPU) == 1
+    assert resolve_num_threads("auto", preset("tiny"), torch.device("cuda")) is None
+
+
+def test_the_runner_sets_the_count_in_the_thread_that_builds_it():
+    main_before = torch.get_num_threads()
+    wanted = 2 if main_before == 1 else 1
+
+    def build():
+        runner = ModelRunner(preset("tiny"), num_blocks=4, device="cpu", num_threads=wanted)
+        return runner.num_threads, torch.get_num_threads()
+
+    try:
+        assert in_fresh_thread(build) == (wanted, wanted)
+        assert torch.get_num_threads() == main_before  # a thread that already ran kernels keeps its own
+    finally:
+        in_fresh_thread(lambda: torch.set_num_threads(main_before))
+
+
+def test_the_executor_option_reaches_the_runner():
+    def build(value):
+        init = InitExecutor(model="tiny", dtype="", device="cpu", num_blocks=4, block_size=4, max_model_len=64,
+                            max_num_batched_tokens=64, seed=0, options={"num_threads": value})
+        return build_runner(init).num_threads
+
+    before = torch.get_num_threads()
+    try:
+        assert in_fresh_thread(lambda: build(2)) == 2
+        assert in_fresh_thread(lambda: build("auto")) == 1
+        with pytest.raises(ConfigError, match="num_threads"):
+            in_fresh_thread(lambda: build("lots"))
+    finally:
+        in_fresh_thread(lambda: torch.set_num_threads(before))
