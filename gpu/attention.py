@@ -100,8 +100,7 @@ class PaddedLayout:
     block_ids: [num_seqs * num_blocks] int64, each sequence's first `num_blocks`
       cache blocks, row after row: one gather brings its keys (or values) as
       [num_seqs, num_blocks * block_size] rows.
-    decode_mask: [num_decodes, 1, 1, width] bool, which keys each decode attends
-      to; None when every decode sees the whole width.
+    decode_mask: [num_decodes, 1, 1, width] bool, which keys each decode attends to.
     The prefill fields cover the sequences after the decodes:
     prefill_mask: [num_prefills, 1, group * max_query_len, width] bool, causal,
       the query rows of one KV head's group of query heads stacked (see
@@ -113,13 +112,14 @@ class PaddedLayout:
     block_ids: torch.Tensor
     width: int
     num_decodes: int
-    decode_mask: torch.Tensor | None
+    decode_mask: torch.Tensor
     prefill_mask: torch.Tensor | None
     token_rows: torch.Tensor | None
 
 
-def padded_layout(meta: AttentionMetadata, block_size: int, group: int, device: torch.device) -> PaddedLayout:
-    """The layout of `meta` for attention with `group` query heads per KV head."""
+def padded_layout(meta: AttentionMetadata, num_tokens: int, block_size: int, group: int,
+                  device: torch.device) -> PaddedLayout:
+    """The layout of `meta` (a step of `num_tokens` query tokens) for `group` query heads per KV head."""
     num_seqs = meta.seq_lens.shape[0]
     num_blocks = -(-meta.max_seq_len // block_size)
     width = num_blocks * block_size
@@ -127,18 +127,17 @@ def padded_layout(meta: AttentionMetadata, block_size: int, group: int, device: 
     seq_lens = meta.seq_lens.long()
     key_pos = torch.arange(width, device=device)
     num_decodes = meta.num_decode_seqs
-    decode_mask = None
-    if num_decodes and int(seq_lens[:num_decodes].min()) < width:
-        decode_mask = (key_pos < seq_lens[:num_decodes, None])[:, None, None, :]
+    decode_mask = (key_pos < seq_lens[:num_decodes, None])[:, None, None, :]
     prefill_mask = token_rows = None
     if num_decodes < num_seqs:
         starts = meta.query_start_loc[num_decodes:].long()
         q_lens = starts[1:] - starts[:-1]
         num_prefills, max_query_len = num_seqs - num_decodes, meta.max_query_len
-        num_tokens = int(starts[-1] - starts[0])
+        # Each decode has one token, so the prefills hold the rest: no need to read `starts` back.
+        num_prefill_tokens = num_tokens - num_decodes
         seq_of_token = torch.repeat_interleave(
-            torch.arange(num_prefills, device=device), q_lens, output_size=num_tokens)
-        index_in_seq = torch.arange(num_tokens, device=device) + starts[0] - starts[seq_of_token]
+            torch.arange(num_prefills, device=device), q_lens, output_size=num_prefill_tokens)
+        index_in_seq = torch.arange(num_prefill_tokens, device=device) + starts[0] - starts[seq_of_token]
         token_rows = seq_of_token * max_query_len + index_in_seq
         query_pos = (seq_lens[num_decodes:] - q_lens)[:, None] + torch.arange(max_query_len, device=device)
         causal = key_pos[None, None, :] <= query_pos[:, :, None]
@@ -186,7 +185,7 @@ def sdpa_paged_attention(
     group = num_heads // num_kv_heads
     layout = meta.padded_layout
     if layout is None:
-        layout = meta.padded_layout = padded_layout(meta, k_cache.shape[1], group, query.device)
+        layout = meta.padded_layout = padded_layout(meta, num_tokens, k_cache.shape[1], group, query.device)
     num_seqs, num_decodes = meta.seq_lens.shape[0], layout.num_decodes
     attend = torch.nn.functional.scaled_dot_product_attention
     if num_decodes:
