@@ -193,12 +193,22 @@ def first_step(runner, prompts: dict[str, list[int]], params: dict[str, Sampling
     return runner.execute(plan(scheduled={rid: len(t) for rid, t in prompts.items()}, new=news), params)
 
 
+def past_the_door(**fields) -> SamplingParams:
+    """Parameters that SamplingParams and the engine's door refuse, forced through to
+    test the runner's own defence (a client of the runner need not use either)."""
+    params = SamplingParams(temperature=1.0)
+    for name, value in fields.items():
+        object.__setattr__(params, name, value)
+    return params
+
+
 @pytest.mark.parametrize(("poison", "why"), [
-    (SamplingParams(temperature=1.0, top_k=2**63), "sampling failed"),
+    (dict(top_k=2**63), "sampling failed"),
     # Refused before the device sees it: on a GPU the bad index would fault the device.
-    (SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[100_000]), "outside the model's vocabulary"),
+    (dict(temperature=0.0, min_tokens=2, stop_token_ids=(100_000,)), "outside the model's vocabulary"),
 ], ids=["top_k_2_63", "stop_token_out_of_vocab"])
 def test_a_request_whose_sampling_fails_is_reported_and_the_others_sample(runner, poison, why):
+    poison = past_the_door(**poison)
     prompts = {"good": [1, 2, 3], "bad": [4, 5, 6], "also-good": [7, 8]}
     params = {"good": GREEDY, "bad": poison, "also-good": GREEDY}
     result = first_step(runner, prompts, params)
@@ -223,7 +233,7 @@ def test_a_prompt_token_outside_the_vocabulary_is_refused_before_the_forward_pas
 
 def test_a_sampling_fault_of_every_row_fails_the_step(runner):
     """When no row samples alone, the fault is not any one request's: the step raises."""
-    bad = SamplingParams(temperature=1.0, top_k=2**63)
+    bad = past_the_door(top_k=2**63)
     with pytest.raises(ValueError, match="Overflow"):
         first_step(runner, {"a": [1, 2], "b": [3, 4]}, {"a": bad, "b": bad})
     assert runner.take_failed() == {}
