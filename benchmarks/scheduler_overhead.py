@@ -2,14 +2,23 @@
 
 Per step: add the requests whose arrival step has come, `schedule()`, fabricate
 one token for every scheduled request whose known tokens are all computed after
-the step, `update()`. A request finishes after exactly `output_len` tokens
-(`max_tokens = output_len`, EOS ignored). When nothing is live the step counter
-jumps to the next arrival. Only `schedule()` + `update()` are timed, in CPU time of the driving thread.
+the step, `update()`. A request finishes after exactly `output_len` tokens:
+with `--max-tokens exact` its max_tokens is output_len (EOS ignored); with
+`--max-tokens generous` its max_tokens is max_model_len - prompt and its last
+token is EOS, as clients that send a large limit and stop at EOS. Requests of
+priority p belong to tenant "p" (for the fair policy). When nothing is live the
+step counter jumps to the next arrival. Only `schedule()` + `update()` are
+timed, in CPU time of the driving thread. Waits are steps from arrival to first
+admission.
 
 Prints one JSON line per run. Usage:
-    python benchmarks/scheduler_overhead.py                    # every preset
-    python benchmarks/scheduler_overhead.py --preset nano --no-prefix-caching
-    python benchmarks/scheduler_overhead.py --waiting-scaling  # 1,000 vs 100,000 waiting
+    python benchmarks/scheduler_overhead.py                    # every preset, fcfs, exact, caching on
+    python benchmarks/scheduler_overhead.py --preset nano --caching off --max-tokens generous
+    python benchmarks/scheduler_overhead.py --matrix --vllm --out benchmarks/results/x.jsonl
+        # every preset x policy x max-tokens mode x caching (a subset: repeat
+        # --preset / --policy / --max-tokens / --caching), with the vLLM model's
+        # figures for the same mode, and a table at the end
+    python benchmarks/scheduler_overhead.py --waiting-scaling  # 1,000 vs 100,000 waiting, every policy
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from vllm_model import replay as vllm_replay, wait_figures  # noqa: E402
 from workloads import PRESETS, engine_config, generate, load, output_token, prompt_tokens  # noqa: E402
 
 from cadence.statemachine.config import CacheConfig, SchedulerConfig  # noqa: E402
@@ -32,6 +42,18 @@ from cadence.statemachine.request import Request, SamplingLimits  # noqa: E402
 from cadence.statemachine.scheduler import Scheduler  # noqa: E402
 
 BINS = ((1, 32), (33, 128), (129, 256))
+# The end-of-sequence token of generous mode: below every trace token id.
+EOS_TOKEN = 2
+MAX_TOKENS_MODES = ("exact", "generous")
+MATRIX_POLICIES = ("fcfs", "priority", "fair")
+
+
+def limits_for(rec: dict, engine: dict, max_tokens: str) -> SamplingLimits:
+    """The declared limits of a trace record in one max-tokens mode."""
+    if max_tokens == "exact":
+        return SamplingLimits(max_tokens=rec["output_len"], ignore_eos=True)
+    return SamplingLimits(max_tokens=engine["max_model_len"] - rec["prompt_len"],
+                          eos_token_ids=frozenset((EOS_TOKEN,)))
 
 
 def make_scheduler(engine: dict, policy: str, prefix_caching: bool, **overrides) -> Scheduler:
@@ -49,9 +71,13 @@ def make_scheduler(engine: dict, policy: str, prefix_caching: bool, **overrides)
 
 
 def replay(records: list[dict], engine: dict, policy: str = "fcfs", prefix_caching: bool = True,
-           **overrides) -> dict:
+           max_tokens: str = "exact", **overrides) -> dict:
     """Run one trace through a fresh scheduler and return the figures."""
+    if max_tokens not in MAX_TOKENS_MODES:
+        raise ValueError(f"max_tokens must be one of {MAX_TOKENS_MODES}, got {max_tokens!r}")
     core = make_scheduler(engine, policy, prefix_caching, **overrides)
+    generous = max_tokens == "generous"
+    made: list[Request] = []
     by_id = {str(r["id"]): r for r in records}
     pending = [(r["arrival_step"], str(r["id"]), prompt_tokens(r), r) for r in records]
     pending.reverse()
@@ -76,8 +102,11 @@ def replay(records: list[dict], engine: dict, policy: str = "fcfs", prefix_cachi
             t_add = counter()
             while pending and pending[-1][0] <= step:
                 arrival, rid, prompt, rec = pending.pop()
-                core.add_request(Request(rid, prompt, SamplingLimits(max_tokens=rec["output_len"], ignore_eos=True),
-                                         priority=rec["priority"], arrival_s=float(arrival)))
+                request = Request(rid, prompt, limits_for(rec, engine, max_tokens),
+                                  priority=rec["priority"], tenant=str(rec["priority"]),
+                                  arrival_s=float(arrival))
+                made.append(request)
+                core.add_request(request)
             add_s += counter() - t_add
             t0 = counter()
             plan = core.schedule(float(step))
@@ -88,7 +117,9 @@ def replay(records: list[dict], engine: dict, policy: str = "fcfs", prefix_cachi
                 req = requests[rid]
                 if req.num_computed_tokens == req.num_tokens:
                     k = produced.get(rid, 0)
-                    sampled[rid] = [output_token(by_id[rid], k)]
+                    rec = by_id[rid]
+                    sampled[rid] = [EOS_TOKEN if generous and k + 1 == rec["output_len"]
+                                    else output_token(rec, k)]
                     produced[rid] = k + 1
             result = StepResult(plan.step_id, sampled)
             t2 = counter()
@@ -132,19 +163,22 @@ def replay(records: list[dict], engine: dict, policy: str = "fcfs", prefix_cachi
         "recompute_tokens": stats.num_recompute_tokens,
         "prefix_hit_tokens": stats.num_prefix_hit_tokens,
         "resume_hit_tokens": core.num_resume_hit_tokens,
+        **wait_figures([(r.priority, int(r.first_scheduled_s - r.arrival_s)) for r in made]),
         "finished_ok": not wrong,
         "num_wrong": len(wrong),
     }
 
 
-def waiting_scaling(num_waiting: int, num_steps: int = 300) -> dict:
-    """Per-step time with `num_waiting` requests queued behind a full KV cache."""
+def waiting_scaling(num_waiting: int, policy: str = "priority", num_tenants: int = 2,
+                    num_steps: int = 300) -> dict:
+    """Per-step time with `num_waiting` requests of `num_tenants` tenants queued
+    behind a full KV cache."""
     engine = {**engine_config("nano"), "num_gpu_blocks": 2048}
-    core = make_scheduler(engine, "priority", True)
+    core = make_scheduler(engine, policy, True)
     for i in range(num_waiting):
         core.add_request(Request(str(i), [100 + (i * 7 + j) % 31000 for j in range(200)],
                                  SamplingLimits(max_tokens=1000, ignore_eos=True),
-                                 priority=i % 3, arrival_s=0.0))
+                                 priority=i % 3, tenant=str(i % num_tenants), arrival_s=0.0))
     times = []
     produced = 0
     for step in range(num_steps):
@@ -161,30 +195,90 @@ def waiting_scaling(num_waiting: int, num_steps: int = 300) -> dict:
             "median_step_us": round(statistics.median(steady), 1)}
 
 
+TABLE_FIELDS = ("steps", "tokens_scheduled", "preemptions", "median_wait", "p99_wait",
+                "median_wait_priority0", "us_per_req_step")
+
+
+def table(rows: list[dict]) -> str:
+    """A markdown table of matrix rows, the vLLM model's figures beside each."""
+    head = ("| preset | policy | max_tokens | caching | steps | tokens | preempt | wait p50 | "
+            "wait p99 | prio-0 wait p50 | µs/req-step | vLLM steps | vLLM tokens | vLLM preempt "
+            "| vLLM wait p50 | vLLM p99 | vLLM prio-0 p50 |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        if r["bench"] != "scheduler_overhead":
+            continue
+        v = r.get("vllm") or {}
+        lines.append("| " + " | ".join(str(x) for x in (
+            r["preset"], r["policy"], r["max_tokens"], "on" if r["prefix_caching"] else "off",
+            *(r[f] for f in TABLE_FIELDS),
+            *(v.get(f, "") for f in ("steps", "tokens_scheduled", "preemptions", "median_wait",
+                                     "p99_wait", "median_wait_priority0")))) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", action="append", choices=sorted(PRESETS))
     ap.add_argument("--trace", help="a JSON-lines trace file (uses --engine-preset's config)")
     ap.add_argument("--engine-preset", default="nano", choices=sorted(PRESETS))
-    ap.add_argument("--policy", default="fcfs")
-    ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--policy", action="append", help="repeatable (default fcfs; --matrix: "
+                    + ", ".join(MATRIX_POLICIES) + ")")
+    ap.add_argument("--max-tokens", action="append", choices=MAX_TOKENS_MODES,
+                    help="declared max_tokens: exact (= output length, EOS ignored) or generous "
+                         "(max_model_len - prompt, EOS at the real length); repeatable")
+    ap.add_argument("--caching", action="append", choices=("on", "off"), help="prefix caching; repeatable")
+    ap.add_argument("--no-prefix-caching", action="store_true", help="same as --caching off")
+    ap.add_argument("--matrix", action="store_true",
+                    help="every combination of the options not given (presets, policies, modes, caching)")
+    ap.add_argument("--vllm", action="store_true",
+                    help="add the vLLM model's figures for the same preset, mode and caching "
+                         "(its priority policy beside priority, FCFS beside the others)")
+    ap.add_argument("--out", help="also append the JSON lines to this file")
     ap.add_argument("--repeat", type=int, default=1, help="runs per preset; the median run is printed")
     ap.add_argument("--waiting-scaling", action="store_true")
     args = ap.parse_args(argv)
+    out_file = open(args.out, "a") if args.out else None
+
+    def emit(row: dict) -> None:
+        line = json.dumps(row)
+        print(line, flush=True)
+        if out_file is not None:
+            out_file.write(line + "\n")
+            out_file.flush()
+
     if args.waiting_scaling:
-        small, large = waiting_scaling(1_000), waiting_scaling(100_000)
-        print(json.dumps({"bench": "waiting_scaling", "small": small, "large": large,
-                          "ratio": round(large["median_step_us"] / small["median_step_us"], 3)}))
+        for policy in args.policy or MATRIX_POLICIES + ("weighted", "deadline"):
+            for tenants in (2, 100):
+                small = waiting_scaling(1_000, policy, tenants)
+                large = waiting_scaling(100_000, policy, tenants)
+                emit({"bench": "waiting_scaling", "policy": policy, "tenants": tenants,
+                      "small": small, "large": large,
+                      "ratio": round(large["median_step_us"] / small["median_step_us"], 3)})
         return 0
+    policies = args.policy or (list(MATRIX_POLICIES) if args.matrix else ["fcfs"])
+    modes = args.max_tokens or (list(MAX_TOKENS_MODES) if args.matrix else ["exact"])
+    caching = args.caching or (["off"] if args.no_prefix_caching else
+                               ["off", "on"] if args.matrix else ["on"])
     runs = [(args.trace, load(args.trace), engine_config(args.engine_preset))] if args.trace else [
         (p, generate(p), engine_config(p)) for p in (args.preset or list(PRESETS))]
+    rows = []
     for name, records, engine in runs:
-        results = [replay(records, engine, args.policy, not args.no_prefix_caching)
-                   for _ in range(args.repeat)]
-        results.sort(key=lambda r: r["sched_total_s"])
-        out = {"bench": "scheduler_overhead", "preset": name, "policy": args.policy,
-               "prefix_caching": not args.no_prefix_caching, **results[len(results) // 2]}
-        print(json.dumps(out), flush=True)
+        for policy in policies:
+            for mode in modes:
+                for cache in caching:
+                    on = cache == "on"
+                    results = [replay(records, engine, policy, on, mode) for _ in range(args.repeat)]
+                    results.sort(key=lambda r: r["sched_total_s"])
+                    row = {"bench": "scheduler_overhead", "preset": name, "policy": policy,
+                           "max_tokens": mode, "prefix_caching": on, **results[len(results) // 2]}
+                    if args.vllm:
+                        row["vllm"] = vllm_replay(records, engine, on,
+                                                  policy="priority" if policy == "priority" else "fcfs")
+                    rows.append(row)
+                    emit(row)
+    if args.matrix or len(rows) > 1:
+        print(table(rows))
     return 0
 
 

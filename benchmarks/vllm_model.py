@@ -1,8 +1,8 @@
 """A model of vLLM V1's scheduling rules, replayed on Cadence's workload traces.
 
 This is not vLLM: it is a small re-implementation, written for this project, of
-the rules by which vLLM's V1 scheduler (v0.10/v0.11, FCFS policy, chunked
-prefill on, no speculative decoding, no KV connector) picks the tokens of each
+the rules by which vLLM's V1 scheduler (v0.10/v0.11, FCFS or priority policy,
+chunked prefill on, no speculative decoding, no KV connector) picks the tokens of each
 step and manages its paged KV cache. It lets us estimate what vLLM's scheduler
 does on our traces (steps, preemptions, recomputation) without a GPU.
 
@@ -36,6 +36,17 @@ single_type_kv_cache_manager.py and block_pool.py of v0.11.0):
   and for preempted (resuming) requests alike.
 * A request whose known tokens are not all computed after a step (a partial
   prefill) gets no sampled token.
+* Priority policy (`--policy priority`): the waiting queue is a heap ordered by
+  (priority, arrival time), lower first; a preempted request goes back into
+  that heap rather than to the front. When a running request's allocation
+  fails, the victim is the running request with the largest (priority, arrival
+  time), wherever it sits in the running list; if it was already scheduled in
+  this step its tokens go back to the budget. The running pass walks the list
+  by index, so removing an earlier entry shifts the rest (as vLLM's loop does).
+  Trace arrivals share steps, so arrival time is (arrival_step, id).
+* vLLM's admission never reads max_tokens: the `--max-tokens generous` mode
+  (declared limit max_model_len - prompt, EOS at the real length) schedules
+  exactly as `exact` does; the flag exists so both benchmarks report both modes.
 
 The driver is the one of benchmarks/scheduler_overhead.py `replay()`: requests
 join at their arrival step; after each step every scheduled request whose known
@@ -50,8 +61,10 @@ jumps to the next arrival.
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import os
+import statistics
 import sys
 from collections import OrderedDict, deque
 
@@ -60,11 +73,30 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workloads import PRESETS, engine_config, generate, output_token, prompt_tokens  # noqa: E402
 
 
+POLICIES = ("fcfs", "priority")
+MAX_TOKENS_MODES = ("exact", "generous")
+
+
+def _order(req: "Req") -> tuple:
+    return req.order
+
+
+def wait_figures(waits: list[tuple[int, int]]) -> dict:
+    """Median and p99 wait (steps from arrival to first admission), and the median
+    wait of priority-0 requests, from (priority, wait) pairs."""
+    all_waits = sorted(w for _, w in waits)
+    high = [w for p, w in waits if p == 0]
+    return {"median_wait": statistics.median(all_waits),
+            "p99_wait": all_waits[int(0.99 * (len(all_waits) - 1))],
+            "median_wait_priority0": statistics.median(high) if high else None}
+
+
 class Req:
     """One request's scheduling state (the fields vLLM's Request keeps that matter here)."""
 
     __slots__ = ("rid", "rec", "tokens", "num_tokens", "output_len", "num_output", "num_computed",
-                 "blocks", "num_cached_blocks", "hashes", "preempted", "num_preemptions")
+                 "blocks", "num_cached_blocks", "hashes", "preempted", "num_preemptions",
+                 "order", "first_step")
 
     def __init__(self, rid: int, rec: dict, tokens: list[int] | None):
         self.rid = rid
@@ -79,6 +111,12 @@ class Req:
         self.hashes: list[int] = []           # chained keys of this request's full blocks
         self.preempted = False                # in the waiting queue after a preemption
         self.num_preemptions = 0
+        # Priority order: (priority, arrival), lower first; the largest is the victim.
+        self.order = (rec["priority"], rec["arrival_step"], rid)
+        self.first_step: int | None = None    # the step of its first admission
+
+    def __lt__(self, other: "Req") -> bool:
+        return self.order < other.order
 
 
 class BlockPool:
@@ -189,9 +227,12 @@ class BlockPool:
 
 
 class VllmModel:
-    """The scheduler: running list, FCFS waiting deque, block pool."""
+    """The scheduler: running list, waiting queue (FCFS deque or priority heap), block pool."""
 
-    def __init__(self, engine: dict, prefix_caching: bool = True):
+    def __init__(self, engine: dict, prefix_caching: bool = True, policy: str = "fcfs"):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.priority = policy == "priority"
         self.max_num_seqs = engine["max_num_seqs"]
         self.max_batched = engine["max_num_batched_tokens"]
         self.max_model_len = engine["max_model_len"]
@@ -202,6 +243,7 @@ class VllmModel:
         self.pool = BlockPool(engine["num_gpu_blocks"], self.bs, prefix_caching)
         self.running: list[Req] = []
         self.waiting: deque[Req] = deque()
+        self.heap: list[Req] = []  # the waiting queue under the priority policy
         self.num_preemptions = 0
         self.num_recompute_tokens = 0
         self.num_prefix_hit_tokens = 0     # hits on first admission
@@ -209,10 +251,16 @@ class VllmModel:
         self.num_scheduled_tokens = 0
 
     def add(self, req: Req) -> None:
-        self.waiting.append(req)
+        if self.priority:
+            heapq.heappush(self.heap, req)
+        else:
+            self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.heap)
+
+    def num_waiting(self) -> int:
+        return len(self.heap) if self.priority else len(self.waiting)
 
     def _allocate(self, req: Req, n: int, hits: list[int]) -> bool:
         """vLLM's allocate_slots: room for the hit blocks plus n new tokens, or None."""
@@ -252,7 +300,10 @@ class VllmModel:
         victim.num_computed = 0
         victim.preempted = True
         victim.num_preemptions += 1
-        self.waiting.appendleft(victim)
+        if self.priority:
+            heapq.heappush(self.heap, victim)
+        else:
+            self.waiting.appendleft(victim)
 
     def schedule(self) -> dict[Req, int]:
         """One step's plan: request -> tokens; advances num_computed like vLLM does."""
@@ -270,7 +321,12 @@ class VllmModel:
                 continue
             ok = True
             while not self._allocate(req, n, []):
-                victim = running.pop()
+                if self.priority:
+                    victim = max(running, key=_order)
+                    running.remove(victim)
+                    budget += scheduled.pop(victim, 0)
+                else:
+                    victim = running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
@@ -282,7 +338,7 @@ class VllmModel:
             budget -= n
             i += 1
         if not preempted:
-            waiting = self.waiting
+            waiting = self.heap if self.priority else self.waiting
             while waiting and budget > 0 and len(running) < self.max_num_seqs:
                 req = waiting[0]
                 hits = self.pool.lookup(req) if self.caching and req.num_computed == 0 else []
@@ -290,7 +346,10 @@ class VllmModel:
                 n = min(req.num_tokens - req.num_computed - num_hit, budget)
                 if not self._allocate(req, n, hits):
                     break
-                waiting.popleft()
+                if self.priority:
+                    heapq.heappop(waiting)
+                else:
+                    waiting.popleft()
                 running.append(req)
                 req.num_computed += num_hit
                 if req.preempted:
@@ -319,7 +378,7 @@ class VllmModel:
             assert len(req.blocks) * self.bs >= req.num_computed
             for b in req.blocks:
                 counts[b] += 1
-        for req in self.waiting:
+        for req in (*self.waiting, *self.heap):
             assert not req.blocks
         assert counts[0] == 0, "null block handed out"
         for b in range(1, pool.num_blocks):
@@ -331,13 +390,15 @@ class VllmModel:
                 assert pool.key[b] == k
 
 
-def replay(records: list[dict], engine: dict, prefix_caching: bool = True, check: bool = False) -> dict:
+def replay(records: list[dict], engine: dict, prefix_caching: bool = True, check: bool = False,
+           policy: str = "fcfs") -> dict:
     """Run one trace through the model with scheduler_overhead.replay()'s driver rules."""
-    model = VllmModel(engine, prefix_caching)
+    model = VllmModel(engine, prefix_caching, policy)
     pending = []
     for r in records:
         toks = prompt_tokens(r) if prefix_caching else None
         pending.append((r["arrival_step"], Req(r["id"], r, toks)))
+    admitted = list(pending)
     pending.reverse()
     step = 0
     steps = 0
@@ -350,6 +411,9 @@ def replay(records: list[dict], engine: dict, prefix_caching: bool = True, check
         while pending and pending[-1][0] <= step:
             model.add(pending.pop()[1])
         plan = model.schedule()
+        for req in plan:
+            if req.first_step is None:
+                req.first_step = step
         done = []
         for req in plan:
             if req.num_computed == req.num_tokens:
@@ -367,10 +431,12 @@ def replay(records: list[dict], engine: dict, prefix_caching: bool = True, check
         if plan:
             steps += 1
             max_batch = max(max_batch, len(plan))
-        elif not running and model.waiting and not pending:
+        elif not running and model.num_waiting() and not pending:
             raise RuntimeError("stuck: the head waiting request can never fit the KV cache")
         step += 1
     wrong = [r["id"] for r in records if finished.get(r["id"]) != r["output_len"]]
+    waits = wait_figures([(req.rec["priority"], req.first_step - req.rec["arrival_step"])
+                          for _, req in admitted])
     prompt_total = sum(r["prompt_len"] for r in records)
     output_total = sum(r["output_len"] for r in records)
     return {
@@ -384,6 +450,7 @@ def replay(records: list[dict], engine: dict, prefix_caching: bool = True, check
         "resume_hit_tokens": model.num_resume_hit_tokens,
         "max_blocks_in_use": model.pool.max_in_use,
         "max_batch": max_batch,
+        **waits,
         "finished_ok": not wrong,
         "num_wrong": len(wrong),
     }
@@ -393,10 +460,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", action="append", choices=sorted(PRESETS))
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--policy", default="fcfs", choices=POLICIES)
+    ap.add_argument("--max-tokens", default="exact", choices=MAX_TOKENS_MODES,
+                    help="declared max_tokens: exact, or generous (max_model_len - prompt, EOS "
+                         "at the real length); vLLM's admission reads neither")
     args = ap.parse_args(argv)
     for name in args.preset or list(PRESETS):
-        out = replay(generate(name), engine_config(name), not args.no_prefix_caching)
-        print(json.dumps({"bench": "vllm_model", "preset": name,
+        out = replay(generate(name), engine_config(name), not args.no_prefix_caching,
+                     policy=args.policy)
+        print(json.dumps({"bench": "vllm_model", "preset": name, "policy": args.policy,
+                          "max_tokens": args.max_tokens,
                           "prefix_caching": not args.no_prefix_caching, **out}), flush=True)
     return 0
 
