@@ -170,18 +170,27 @@ def replay(records: list[dict], engine: dict, policy: str = "fcfs", prefix_cachi
 
 
 def waiting_scaling(num_waiting: int, policy: str = "priority", num_tenants: int = 2,
-                    num_steps: int = 300) -> dict:
+                    num_steps: int = 300, arrivals_per_step: int = 4) -> dict:
     """Per-step time with `num_waiting` requests of `num_tenants` tenants queued
-    behind a full KV cache."""
+    behind a full KV cache, while requests finish, are admitted and arrive
+    (`arrivals_per_step`) every step, so each step runs an admission pass."""
     engine = {**engine_config("nano"), "num_gpu_blocks": 2048}
     core = make_scheduler(engine, policy, True)
+
+    def make(i: int, arrival: float) -> Request:
+        return Request(str(i), [100 + (i * 7 + j) % 31000 for j in range(200)],
+                       SamplingLimits(max_tokens=16 + i % 48, ignore_eos=True),
+                       priority=i % 3, tenant=str(i % num_tenants), arrival_s=arrival)
+
     for i in range(num_waiting):
-        core.add_request(Request(str(i), [100 + (i * 7 + j) % 31000 for j in range(200)],
-                                 SamplingLimits(max_tokens=1000, ignore_eos=True),
-                                 priority=i % 3, tenant=str(i % num_tenants), arrival_s=0.0))
+        core.add_request(make(i, 0.0))
     times = []
     produced = 0
+    next_id = num_waiting
     for step in range(num_steps):
+        for _ in range(arrivals_per_step):
+            core.add_request(make(next_id, float(step)))
+            next_id += 1
         t0 = time.thread_time()
         plan = core.schedule(float(step))
         reqs = core.requests

@@ -12,7 +12,6 @@ from __future__ import annotations
 import heapq
 import importlib
 import itertools
-from collections import deque
 from typing import Iterator, Protocol, Sequence, runtime_checkable
 
 from .config import SchedulerConfig
@@ -202,9 +201,17 @@ class FairPolicy:
 
     Each tenant's counter grows by the tokens served to it (prompt tokens times
     `fair_input_weight`, generated tokens times `fair_output_weight`). The
-    tenant with the smallest counter among those waiting goes next, first come
-    first served within the tenant. A tenant that becomes active again is lifted
-    to the smallest counter of the active tenants, so idling banks no credit.
+    tenant with the smallest counter among those waiting goes next (ties: the
+    tenant seen first), first come first served within the tenant. A tenant that
+    becomes active again is lifted to the smallest counter of the active tenants,
+    so idling banks no credit.
+
+    Cost: each tenant's queue is a heap by arrival, and the tenants waiting sit
+    in a heap by counter. Counters only grow, so a heap entry may be stale low,
+    never high: `pop` refreshes the smallest entry until it is current, and a
+    counter that grows costs nothing until its tenant reaches the top. Push and
+    pop cost O(log n) in the requests waiting (plus O(log t) per stale tenant
+    entry met, t tenants); a tenant's reactivation scans the active tenants.
     """
 
     name = "fair"
@@ -214,30 +221,33 @@ class FairPolicy:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.counters: dict[str, float] = {}
-        self.queues: dict[str, deque[Request]] = {}
+        # Per tenant, a heap of (queue_seq, request); a request's queue_seq is its
+        # (arrival_s, arrival_seq, push number), so the heap is in arrival order and
+        # an entry is live while the request's queue_seq is still that tuple.
+        self.queues: dict[str, list[tuple]] = {}
         self.num_active: dict[str, int] = {}
+        # Tenants with live waiting requests: (counter when pushed, first-seen rank, tenant).
+        self._tenants: list[tuple[float, int, str]] = []
+        self._in_heap: set[str] = set()
+        self._rank: dict[str, int] = {}
         # Requests popped to be considered this step: pushing one back is no new arrival.
         self._examined: set[str] = set()
         self._count = 0
         self._seq = itertools.count(1)
 
     def push(self, request: Request) -> None:
-        queue = self.queues.get(request.tenant)
+        tenant = request.tenant
+        queue = self.queues.get(tenant)
         if queue is None:
-            queue = self.queues[request.tenant] = deque()
-        seq = request.queue_seq = next(self._seq)
-        last = queue[-1][1] if queue else None
-        if last is not None and (last.arrival_s, last.arrival_seq) > (request.arrival_s, request.arrival_seq):
-            # A preempted request keeps its place by arrival: rebuild this tenant's queue.
-            live = [e for e in queue if e[1].queue_seq == e[0]]
-            live.append((seq, request))
-            live.sort(key=lambda e: (e[1].arrival_s, e[1].arrival_seq))
-            queue.clear()
-            queue.extend(live)
-        else:
-            queue.append((seq, request))
+            queue = self.queues[tenant] = []
+            self._rank[tenant] = len(self._rank)
+        seq = request.queue_seq = (request.arrival_s, request.arrival_seq, next(self._seq))
+        heapq.heappush(queue, (seq, request))
         self._count += 1
         self._activate(request)
+        if tenant not in self._in_heap:
+            self._in_heap.add(tenant)
+            heapq.heappush(self._tenants, (self.counters[tenant], self._rank[tenant], tenant))
 
     def _activate(self, request: Request) -> None:
         tenant = request.tenant
@@ -253,20 +263,28 @@ class FairPolicy:
         self.num_active[request.tenant] -= 1
 
     def pop(self) -> Request | None:
-        best, best_counter = None, 0.0
-        for tenant, queue in self.queues.items():
-            while queue and queue[0][1].queue_seq != queue[0][0]:
-                queue.popleft()
-            if queue and (best is None or self.counters[tenant] < best_counter):
-                best, best_counter = queue, self.counters[tenant]
-        if best is None:
-            return None
-        _, request = best.popleft()
-        request.queue_seq = 0
-        self._count -= 1
-        self._deactivate(request)
-        self._examined.add(request.request_id)
-        return request
+        tenants, counters, num_active = self._tenants, self.counters, self.num_active
+        while tenants:
+            counter, rank, tenant = tenants[0]
+            if not num_active[tenant]:
+                heapq.heappop(tenants)  # nothing of this tenant waits any more
+                self._in_heap.discard(tenant)
+                self.queues[tenant].clear()
+                continue
+            current = counters[tenant]
+            if counter != current:
+                heapq.heapreplace(tenants, (current, rank, tenant))  # stale: it only grew
+                continue
+            queue = self.queues[tenant]
+            while queue[0][1].queue_seq is not queue[0][0]:
+                heapq.heappop(queue)  # removed or popped since it was pushed
+            _, request = heapq.heappop(queue)
+            request.queue_seq = 0
+            self._count -= 1
+            self._deactivate(request)
+            self._examined.add(request.request_id)
+            return request
+        return None
 
     def remove(self, request: Request) -> None:
         self._examined.discard(request.request_id)
@@ -281,8 +299,9 @@ class FairPolicy:
     def ordered(self) -> list[Request]:
         out = []
         for queue in self.queues.values():
-            out.extend(r for seq, r in queue if r.queue_seq == seq)
-        return sorted(out, key=lambda r: (self.counters[r.tenant], r.arrival_s))
+            out.extend(r for seq, r in queue if r.queue_seq is seq)
+        return sorted(out, key=lambda r: (self.counters[r.tenant], self._rank[r.tenant],
+                                          r.arrival_s, r.arrival_seq))
 
     def victim(self, running: Sequence[Request]) -> Request:
         return max(running, key=lambda r: (self.counters.get(r.tenant, 0.0), -r.num_computed_tokens))
