@@ -7,9 +7,10 @@ with `--max-tokens exact` its max_tokens is output_len (EOS ignored); with
 `--max-tokens generous` its max_tokens is max_model_len - prompt and its last
 token is EOS, as clients that send a large limit and stop at EOS. Requests of
 priority p belong to tenant "p" (for the fair policy). When nothing is live the
-step counter jumps to the next arrival. Only `schedule()` + `update()` are
-timed, in CPU time of the driving thread. Waits are steps from arrival to first
-admission.
+step counter jumps to the next arrival. The scheduler's clock reads STEP_S
+(20 ms) per step, so its time knobs (aging_s) keep their meaning in seconds.
+Only `schedule()` + `update()` are timed, in CPU time of the driving thread.
+Waits are steps from arrival to first admission.
 
 Prints one JSON line per run. Usage:
     python benchmarks/scheduler_overhead.py                    # every preset, fcfs, exact, caching on
@@ -45,6 +46,9 @@ BINS = ((1, 32), (33, 128), (129, 256))
 # The end-of-sequence token of generous mode: below every trace token id.
 EOS_TOKEN = 2
 MAX_TOKENS_MODES = ("exact", "generous")
+# Seconds the scheduler's clock advances per step: a decode step of a small model
+# on one GPU (the nano workload ran at ~17 ms per step on the H200).
+STEP_S = 0.02
 MATRIX_POLICIES = ("fcfs", "priority", "fair")
 
 
@@ -71,8 +75,10 @@ def make_scheduler(engine: dict, policy: str, prefix_caching: bool, **overrides)
 
 
 def replay(records: list[dict], engine: dict, policy: str = "fcfs", prefix_caching: bool = True,
-           max_tokens: str = "exact", **overrides) -> dict:
-    """Run one trace through a fresh scheduler and return the figures."""
+           max_tokens: str = "exact", step_s: float = STEP_S, **overrides) -> dict:
+    """Run one trace through a fresh scheduler and return the figures. The
+    scheduler's clock reads `step_s` seconds per step (its time knobs, such as
+    aging_s, are in seconds); waits are reported in steps."""
     if max_tokens not in MAX_TOKENS_MODES:
         raise ValueError(f"max_tokens must be one of {MAX_TOKENS_MODES}, got {max_tokens!r}")
     core = make_scheduler(engine, policy, prefix_caching, **overrides)
@@ -104,12 +110,12 @@ def replay(records: list[dict], engine: dict, policy: str = "fcfs", prefix_cachi
                 arrival, rid, prompt, rec = pending.pop()
                 request = Request(rid, prompt, limits_for(rec, engine, max_tokens),
                                   priority=rec["priority"], tenant=str(rec["priority"]),
-                                  arrival_s=float(arrival))
+                                  arrival_s=arrival * step_s)
                 made.append(request)
                 core.add_request(request)
             add_s += counter() - t_add
             t0 = counter()
-            plan = core.schedule(float(step))
+            plan = core.schedule(step * step_s)
             t1 = counter()
             requests = core.requests
             sampled = {}
@@ -163,7 +169,8 @@ def replay(records: list[dict], engine: dict, policy: str = "fcfs", prefix_cachi
         "recompute_tokens": stats.num_recompute_tokens,
         "prefix_hit_tokens": stats.num_prefix_hit_tokens,
         "resume_hit_tokens": core.num_resume_hit_tokens,
-        **wait_figures([(r.priority, int(r.first_scheduled_s - r.arrival_s)) for r in made]),
+        **wait_figures([(r.priority, round((r.first_scheduled_s - r.arrival_s) / step_s))
+                        for r in made]),
         "finished_ok": not wrong,
         "num_wrong": len(wrong),
     }

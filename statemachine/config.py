@@ -90,7 +90,16 @@ class SchedulerConfig:
         ones before it reserves capacity (nothing behind it is admitted until it is).
       max_lookahead: waiting requests examined per step after one does not fit.
       preempt_for_priority: a waiting request may preempt a running one of strictly
-        lower priority.
+        lower priority, within the three limits below (hysteresis: a preemption
+        must be worth the recomputation it throws away).
+      preempt_min_priority_gap: the running request's priority value must exceed
+        the waiting one's by at least this much.
+      preempt_max_recompute_tokens: the running request may have computed at most
+        this many tokens per level of priority gap (the work a preemption throws
+        away); 0: no limit.
+      preempt_max_times: a request already preempted this many times (for any
+        reason) is not displaced by a waiting request again; 0: no limit. It still
+        yields when the cache runs out.
       admission_watermark: fraction of blocks kept free when admitting, so running
         requests can grow without immediate preemption.
       admission_headroom_steps: how far ahead admission looks (0: the watermark
@@ -104,6 +113,14 @@ class SchedulerConfig:
       admission_growth_share: the fraction of that projected growth admission holds
         back; below 1 admits a little ahead of the projection, betting that some
         requests stop early (EOS) and accepting an occasional preemption.
+      predict_output_lengths: project each running request's growth to its
+        predicted end rather than its declared max_tokens. The prediction is the
+        `length_estimate_quantile` of the outcomes of the last
+        `length_estimate_window` finished requests that are still possible for
+        it (stopped on EOS after more tokens than it has, or ran to its own
+        limit); until `length_estimate_min_samples` have finished, and whenever
+        every finished request ran to its limit, it is the declared limit. A
+        request that outlives its prediction is preempted if blocks run out.
 
     Shell
       schedule_interval_us: the scheduler actor waits at least this long between
@@ -132,9 +149,16 @@ class SchedulerConfig:
     starvation_skip_limit: int = attrs.field(default=32, validator=_at_least(0))
     max_lookahead: int = attrs.field(default=16, validator=_at_least(0))
     preempt_for_priority: bool = True
+    preempt_min_priority_gap: int = attrs.field(default=1, validator=_at_least(1))
+    preempt_max_recompute_tokens: int = attrs.field(default=1024, validator=_at_least(0))
+    preempt_max_times: int = attrs.field(default=1, validator=_at_least(0))
     admission_watermark: float = attrs.field(default=0.01, validator=_fraction)
     admission_headroom_steps: int = attrs.field(default=128, validator=_at_least(0))
     admission_growth_share: float = attrs.field(default=0.95, validator=_share)
+    predict_output_lengths: bool = True
+    length_estimate_window: int = attrs.field(default=512, validator=_at_least(1))
+    length_estimate_min_samples: int = attrs.field(default=16, validator=_at_least(1))
+    length_estimate_quantile: float = attrs.field(default=0.2, validator=_share)
     schedule_interval_us: int = attrs.field(default=0, validator=_at_least(0))
     debug_checks: bool = False
 

@@ -145,11 +145,21 @@ class PriorityPolicy(KeyedPolicy):
         return (request.priority * self.config.aging_s + request.arrival_s,)
 
     def may_preempt(self, waiting: Request, running: Request) -> bool:
-        """Strictly higher priority, and ahead in the aged order too: a request that
-        has waited its way to the front is not displaced by newer arrivals."""
-        return (self.use_priority and self.config.preempt_for_priority
-                and waiting.priority < running.priority
-                and self.key(waiting) < self.key(running))
+        """Higher priority by at least `preempt_min_priority_gap`, and ahead in the
+        aged order too (a request that has waited its way to the front is not
+        displaced by newer arrivals); and only while the work thrown away is small
+        for the gap and the running request has not been preempted too often."""
+        config = self.config
+        gap = running.priority - waiting.priority
+        if not (self.use_priority and config.preempt_for_priority
+                and gap >= config.preempt_min_priority_gap
+                and self.key(waiting) < self.key(running)):
+            return False
+        limit = config.preempt_max_recompute_tokens
+        if limit and running.num_computed_tokens > gap * limit:
+            return False
+        times = config.preempt_max_times
+        return not times or running.num_preemptions < times
 
 
 class StrictPriorityPolicy(PriorityPolicy):

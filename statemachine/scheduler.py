@@ -18,6 +18,7 @@ import attrs
 
 from .blocks import BlockManager, block_keys_for
 from .config import CacheConfig, SchedulerConfig
+from .estimate import OutputLengthEstimator
 from .errors import (
     DuplicateRequestError, QueueFullError, RequestNotFoundError, RequestTooLongError,
 )
@@ -81,6 +82,11 @@ class Scheduler:
         # The fewest fresh blocks any waiting request needs, as of the failed pass
         # (and arrivals since): with fewer free beyond the watermark, nothing fits.
         self._min_need = 0
+        # What admission projects each running request will still generate.
+        self.lengths = (OutputLengthEstimator(config.length_estimate_window,
+                                              config.length_estimate_min_samples,
+                                              config.length_estimate_quantile)
+                        if config.predict_output_lengths else None)
         if config.debug_checks:
             from .invariants import check_scheduler
             self._checker = check_scheduler
@@ -354,6 +360,8 @@ class Scheduler:
                 events.append(RequestEvent(rid, None, new_tokens))
             else:
                 event = self._complete(request, E.FINISH, reason, "")
+                if self.lengths is not None:
+                    self.lengths.observe(len(output), reason is FinishReason.LENGTH)
                 event.token_ids = new_tokens
                 events.append(event)
                 any_finished = True
@@ -495,7 +503,7 @@ class Scheduler:
                 n = threshold
             self._start(request, num_cached, hits)
             # Its own growth until the projection's end joins what later admissions leave free.
-            left = request.length_limit - request.num_tokens
+            left = self._tokens_left(request)
             growth += (left if left < until else until) / block_size
             # A first admission shares the immutable prompt; a resumed one copies its tokens.
             new_requests.append(NewRequestData(
@@ -543,8 +551,14 @@ class Scheduler:
         # One int per request, steps left above blocks held, so that a C-level heap
         # orders them; only the first few releases are usually needed.
         shift = 32
-        ends = [(r.length_limit - len(r.all_token_ids)) << shift | len(tables[r.request_id])
-                for r in (running if not excluded else [r for r in running if r not in excluded])]
+        members = running if not excluded else [r for r in running if r not in excluded]
+        lengths = self.lengths
+        if lengths is None or lengths.declared_only:
+            ends = [(r.length_limit - len(r.all_token_ids)) << shift | len(tables[r.request_id])
+                    for r in members]
+        else:
+            left = self._tokens_left
+            ends = [left(r) << shift | len(tables[r.request_id]) for r in members]
         alive = len(ends)
         cut = (horizon + 1) << shift
         ends = [e for e in ends if e < cut]
@@ -565,6 +579,17 @@ class Scheduler:
                 return peak, left
         need = horizon * alive * per_step - released
         return (need if need > peak else peak), horizon
+
+    def _tokens_left(self, request: Request) -> int:
+        """Tokens the request is projected to add before it finishes: up to its
+        length limit, or to its predicted end when output lengths are predicted."""
+        lengths = self.lengths
+        if lengths is None or lengths.declared_only:
+            return request.length_limit - len(request.all_token_ids)
+        prompt = request.num_prompt_tokens
+        end = prompt + lengths.predict(len(request.all_token_ids) - prompt,
+                                       request.length_limit - prompt)
+        return end - len(request.all_token_ids)
 
     def _exact_projection(self) -> tuple[float, int, int, int]:
         """The projection of the running set now: growth, where it stops, the
