@@ -113,6 +113,12 @@ class SchedulerConfig:
       admission_growth_share: the fraction of that projected growth admission holds
         back; below 1 admits a little ahead of the projection, betting that some
         requests stop early (EOS) and accepting an occasional preemption.
+      admission_prefix_wait_blocks: with prefix caching, a waiting request whose
+        next this many uncached prompt blocks are being computed in this step by
+        a request admitted before it ends the step's admissions: from the next
+        step it finds them cached, rather than computing them a second time
+        (0: never wait). Nothing behind it is admitted first, so arrival order
+        holds.
       predict_output_lengths: project each running request's growth to its
         predicted end rather than its declared max_tokens. The prediction is the
         `length_estimate_quantile` of the outcomes of the last
@@ -155,6 +161,7 @@ class SchedulerConfig:
     admission_watermark: float = attrs.field(default=0.01, validator=_fraction)
     admission_headroom_steps: int = attrs.field(default=128, validator=_at_least(0))
     admission_growth_share: float = attrs.field(default=0.95, validator=_share)
+    admission_prefix_wait_blocks: int = attrs.field(default=2, validator=_at_least(0))
     predict_output_lengths: bool = True
     length_estimate_window: int = attrs.field(default=512, validator=_at_least(1))
     length_estimate_min_samples: int = attrs.field(default=16, validator=_at_least(1))

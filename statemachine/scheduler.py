@@ -419,6 +419,8 @@ class Scheduler:
         min_need = blocks.num_blocks + 1
         num_admitted = 0
         preemptive = getattr(policy, "preempts_running", True)
+        prefix_wait = config.admission_prefix_wait_blocks if blocks.enable_prefix_caching else 0
+        computing: set[bytes] = set()
         # Start from a bound on the projection (growth over the whole horizon, no
         # release credited): an admission that fits beside it fits beside the
         # projection, which is only computed when the bound is too tight.
@@ -452,6 +454,8 @@ class Scheduler:
                                                    "deadline passed before admission"))
                 continue
             hits = blocks.find_cached_prefix(request)
+            if computing and self._shares_computing(request, len(hits), computing):
+                break  # next step it finds those blocks cached: wait, rather than compute them twice
             num_cached = len(hits) * block_size
             n = request.num_tokens - num_cached
             fresh = blocks.blocks_for(request.num_tokens) - len(hits)
@@ -502,6 +506,12 @@ class Scheduler:
             if threshold and n > threshold:
                 n = threshold
             self._start(request, num_cached, hits)
+            if prefix_wait:
+                # The prompt blocks this step computes, which later candidates would find
+                # cached only from the next step on.
+                keys = request.block_hashes
+                for i in range(len(hits), min((num_cached + n) // block_size, len(keys))):
+                    computing.add(keys[i])
             # Its own growth until the projection's end joins what later admissions leave free.
             left = self._tokens_left(request)
             growth += (left if left < until else until) / block_size
@@ -579,6 +589,20 @@ class Scheduler:
                 return peak, left
         need = horizon * alive * per_step - released
         return (need if need > peak else peak), horizon
+
+    def _shares_computing(self, request: Request, num_hits: int, computing: set[bytes]) -> bool:
+        """Whether the blocks after `request`'s cached prefix are, for at least
+        `admission_prefix_wait_blocks` blocks, being computed in this step by a
+        request admitted before it."""
+        keys = request.block_hashes
+        need = self.config.admission_prefix_wait_blocks
+        end = num_hits + need
+        if end > len(keys):
+            return False
+        for i in range(num_hits, end):
+            if keys[i] not in computing:
+                return False
+        return True
 
     def _tokens_left(self, request: Request) -> int:
         """Tokens the request is projected to add before it finishes: up to its
