@@ -88,7 +88,10 @@ class Scope:
     fails: bool = False
     config_overrides: dict = attrs.field(factory=lambda: {
         "aging_s": 2.0, "default_deadline_s": 3.0, "starvation_skip_limit": 2,
-        "admission_headroom_steps": 1})
+        "admission_headroom_steps": 1,
+        # The length estimator's window is history without bound; the Hypothesis
+        # machines cover predicted lengths instead.
+        "predict_output_lengths": False})
     time_horizon: int | None = None
     counter_cap: float = 3.0
     max_states: int = 2_000_000
@@ -175,7 +178,7 @@ def canonical_key(h: Harness, horizon: int, counter_cap: float = float("inf"),
             # Whether each plan in flight predates its last admission (its result is stale).
             tuple(r.admitted_step > f.plan.step_id for f in h.inflight)))
     blocks = (tuple(bm.block_key[b] for b in bname), tuple(bname[b] for b in bm.evictable),
-              len(bm.free_ids))
+              len(bm.free_ids), tuple(sorted(bname[b] for b in getattr(bm, "retained", ()))))
     inflight = tuple((tuple(pos.get(rid, -1) for rid in f.plan.num_scheduled_tokens),
                       tuple(pos.get(rid, -1) for rid in f.samplers)) for f in h.inflight)
     # Ties between equal arrival times are broken by arrival order.

@@ -81,6 +81,12 @@ class BlockManager:
         # pops its oldest entry in O(1); a plain dict's first key is found by
         # scanning past every slot deleted before it.
         self.evictable: OrderedDict[int, None] = OrderedDict()
+        # Evictable blocks of preempted requests (a subset of `evictable`): evicted
+        # only when no other evictable block is left, so a preempted request finds
+        # its prefix again when it resumes. The others, in the same order, are
+        # `_unretained`, so the next one to evict is found in O(1).
+        self.retained: set[int] = set()
+        self._unretained: OrderedDict[int, None] = OrderedDict()
         self.block_key: list[BlockKey | None] = [None] * num_blocks
         self.cached: dict[BlockKey, int] = {}
         self.tables: dict[str, list[int]] = {}
@@ -150,10 +156,14 @@ class BlockManager:
             num_new = 0
         if not self.can_allocate(num_new, cached_blocks, reserve):
             return False
-        refs, evictable = self.ref_counts, self.evictable
+        refs, evictable, retained = self.ref_counts, self.evictable, self.retained
         for b in cached_blocks:
             if refs[b] == 0:
                 del evictable[b]
+                if b in retained:
+                    retained.discard(b)
+                else:
+                    del self._unretained[b]
             refs[b] += 1
         table = list(cached_blocks)
         table.extend(self._take(num_new))
@@ -193,15 +203,17 @@ class BlockManager:
                 block_key[block] = key
         self.num_hashed[rid] = num_full
 
-    def free(self, request_id: str) -> None:
+    def free(self, request_id: str, retain: bool = False) -> None:
         """Release a request's blocks; cached ones stay findable until evicted.
-        Tail blocks are released first so they are evicted first."""
+        Tail blocks are released first so they are evicted first. With `retain`
+        (a preempted request) its cached blocks are evicted after all others."""
         table = self.tables.pop(request_id, None)
         self.num_hashed.pop(request_id, None)
         if table is None:
             return
         self.num_releases += 1
         refs, block_key, evictable, free_ids = self.ref_counts, self.block_key, self.evictable, self.free_ids
+        unretained = self._unretained
         for b in reversed(table):
             left = refs[b] - 1
             refs[b] = left
@@ -210,18 +222,39 @@ class BlockManager:
                     free_ids.append(b)
                 else:
                     evictable[b] = None
+                    if retain:
+                        self.retained.add(b)
+                    else:
+                        unretained[b] = None
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (the executor lost the KV contents)."""
         for b in list(self.evictable):
             self.free_ids.append(b)
         self.evictable.clear()
+        self.retained.clear()
+        self._unretained.clear()
         self.cached.clear()
         self.block_key = [None] * self.num_blocks
 
     def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.num_query_tokens += num_query_tokens
         self.num_hit_tokens += num_hit_tokens
+
+    def _evict_next(self) -> int:
+        """Pop the evictable block to reuse: the least recently freed one that is
+        not retained, or, if all are retained, the least recently freed."""
+        if self.retained:
+            if self._unretained:
+                b, _ = self._unretained.popitem(last=False)
+                del self.evictable[b]
+                return b
+            b, _ = self.evictable.popitem(last=False)
+            self.retained.discard(b)
+            return b
+        b, _ = self.evictable.popitem(last=False)
+        del self._unretained[b]
+        return b
 
     def _take(self, n: int) -> list[int]:
         free_ids, refs = self.free_ids, self.ref_counts
@@ -230,7 +263,7 @@ class BlockManager:
             if free_ids:
                 b = free_ids.pop()
             else:
-                b, _ = self.evictable.popitem(last=False)
+                b = self._evict_next()
                 key = self.block_key[b]
                 self.block_key[b] = None
                 if self.cached.get(key) == b:

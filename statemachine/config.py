@@ -41,11 +41,14 @@ class CacheConfig:
     num_blocks: KV blocks available (the executor reports the real figure at start-up).
     block_size: tokens per block.
     enable_prefix_caching: reuse full blocks whose chained hash is already cached.
+    retain_preempted_blocks: a preempted request's cached blocks are evicted only
+      after every other evictable block, so it finds them when it resumes.
     """
 
     num_blocks: int = attrs.field(default=8192, validator=_at_least(1))
     block_size: int = attrs.field(default=16, validator=_at_least(1))
     enable_prefix_caching: bool = True
+    retain_preempted_blocks: bool = True
 
 
 @attrs.frozen

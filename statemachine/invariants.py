@@ -20,7 +20,8 @@ class InvariantViolation(AssertionError):
 
 
 def blocks_partition(s: Scheduler) -> list[str]:
-    """§4.1: free + evictable + in use == num_blocks, and the three are disjoint."""
+    """§4.1: free + evictable + in use == num_blocks, and the three are disjoint;
+    retained blocks are evictable ones."""
     bm = s.blocks
     free, evictable = set(bm.free_ids), set(bm.evictable)
     in_use = {b for b in range(bm.num_blocks) if bm.ref_counts[b] > 0}
@@ -33,6 +34,13 @@ def blocks_partition(s: Scheduler) -> list[str]:
     if len(free) + len(evictable) + len(in_use) != bm.num_blocks:
         out.append(f"free {len(free)} + evictable {len(evictable)} + in use {len(in_use)} "
                    f"!= {bm.num_blocks}")
+    retained = getattr(bm, "retained", set())
+    if not retained <= evictable:
+        out.append(f"retained blocks that are not evictable: {sorted(retained - evictable)}")
+    unretained = getattr(bm, "_unretained", None)
+    if unretained is not None and (set(unretained) != evictable - retained
+                                   or list(unretained) != [b for b in bm.evictable if b not in retained]):
+        out.append("the evictable blocks that are not retained are not listed in eviction order")
     return out
 
 

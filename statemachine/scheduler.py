@@ -704,7 +704,7 @@ class Scheduler:
         new_block_ids.pop(rid, None)
         victim.fsm.fire(E.PREEMPT)
         self.running.remove(victim)
-        self.blocks.free(rid)
+        self.blocks.free(rid, retain=self.cache_config.retain_preempted_blocks)
         self.collector.num_preemptions += 1
         self.collector.num_recompute_tokens += victim.num_computed_tokens
         victim.num_computed_tokens = 0

@@ -1,7 +1,7 @@
 """The BlockManager against a plain model made of sets, lists and dicts.
 
 The model knows which blocks are free, which are evictable (in least-recently
-freed order), which cache key each block holds and each request's block table.
+freed order; those of preempted requests, retained, go last), which cache key each block holds and each request's block table.
 After every rule the real manager must agree with it exactly, and the block
 invariants of DESIGN §4 items 1-5 must hold (the shared predicates of
 `cadence.statemachine.invariants` where they apply).
@@ -40,7 +40,7 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 def snapshot(bm: BlockManager) -> tuple:
     """Everything a failed operation must leave as it was."""
-    return (list(bm.free_ids), list(bm.evictable), dict(bm.cached), list(bm.block_key),
+    return (list(bm.free_ids), list(bm.evictable), set(bm.retained), dict(bm.cached), list(bm.block_key),
             {rid: list(t) for rid, t in bm.tables.items()}, dict(bm.num_hashed),
             list(bm.ref_counts), bm.num_evictions, bm.num_query_tokens, bm.num_hit_tokens)
 
@@ -68,6 +68,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         # The model.
         self.free: set[int] = set(range(num_blocks))
         self.evictable: list[int] = []
+        self.retained: set[int] = set()  # evictable blocks freed by a preemption
         self.cached: dict[tuple, int] = {}
         self.key_of: dict[int, tuple] = {}
         self.model_key: dict[bytes, tuple] = {}  # the real key of a block -> the model's
@@ -78,7 +79,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for tokens, keep in warm_up:
             rid = self._allocate(data, "fresh", tokens, None, 0, True)
             if rid is not None and not keep:
-                self._free(rid)
+                self._free(rid, False)
 
     # ---- model helpers ------------------------------------------------------
     def _expected_hits(self, request: Request) -> list[int]:
@@ -103,15 +104,21 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def _check_taken(self, taken: list[int], free_before: set[int], lru_before: list[int]) -> None:
         """Fresh blocks come from the free set first, then from the evictable
-        ones in least-recently-freed order, and lose their cache key."""
+        ones in least-recently-freed order, retained ones only when no other is
+        left, and lose their cache key."""
         num_free = min(len(taken), len(free_before))
         assert set(taken[:num_free]) <= free_before and len(set(taken[:num_free])) == num_free
         evicted = taken[num_free:]
         if evicted:
             event("evicted under pressure")
-        assert evicted == lru_before[:len(evicted)], (evicted, lru_before)
+        order = ([b for b in lru_before if b not in self.retained]
+                 + [b for b in lru_before if b in self.retained])
+        assert evicted == order[:len(evicted)], (evicted, order)
+        if any(b in self.retained for b in evicted):
+            event("evicted a retained block")
         self.free -= set(taken[:num_free])
         for b in evicted:
+            self.retained.discard(b)
             self.evictable.remove(b)
             key = self.key_of.pop(b)
             if self.cached.get(key) == b:
@@ -157,6 +164,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert table[:len(hits)] == hits and len(table) == len(hits) + num_new
         for b in revived:
             self.evictable.remove(b)
+            self.retained.discard(b)
         free_before, lru_before = set(self.free), list(self.evictable)
         self._check_taken(table[len(hits):], free_before, lru_before)
         self.tables[rid] = list(table)
@@ -223,13 +231,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.hashed[rid] = max(self.hashed[rid], computed // self.bs)
 
     @precondition(lambda self: self.tables)
-    @rule(data=st.data())
-    def free(self, data) -> None:
-        """Release a table; cached blocks become evictable, tail first."""
-        self._free(data.draw(st.sampled_from(self._allocated()), label="request"))
+    @rule(data=st.data(), retain=st.booleans())
+    def free(self, data, retain: bool) -> None:
+        """Release a table; cached blocks become evictable, tail first; with
+        `retain` (a preemption) they are evicted after all others."""
+        self._free(data.draw(st.sampled_from(self._allocated()), label="request"), retain)
 
-    def _free(self, rid: str) -> None:
-        self.bm.free(rid)
+    def _free(self, rid: str, retain: bool) -> None:
+        self.bm.free(rid, retain=retain)
         table = self.tables.pop(rid)
         del self.hashed[rid], self.computed[rid]
         held = {b for t in self.tables.values() for b in t}
@@ -238,6 +247,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 continue
             if b in self.key_of:
                 self.evictable.append(b)
+                if retain:
+                    self.retained.add(b)
             else:
                 self.free.add(b)
 
@@ -263,6 +274,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.reset_prefix_cache()
         self.free |= set(self.evictable)
         self.evictable.clear()
+        self.retained.clear()
         self.cached.clear()
         self.key_of.clear()
 
@@ -286,6 +298,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert bm.tables == self.tables
         assert len(bm.free_ids) == len(self.free) and set(bm.free_ids) == self.free
         assert list(bm.evictable) == self.evictable
+        assert bm.retained == self.retained
         assert {self.model_key[k]: b for k, b in bm.cached.items()} == self.cached
         assert {b: self.model_key[k] for b, k in enumerate(bm.block_key) if k is not None} \
             == self.key_of
