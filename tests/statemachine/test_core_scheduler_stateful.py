@@ -106,12 +106,21 @@ class SchedulerMachine(RuleBasedStateMachine):
             admission_watermark=draw(st.sampled_from([0.0, 0.0, 0.1, 0.3]), label="watermark"),
             admission_headroom_steps=draw(st.sampled_from([0, 0, 2, 16, 128]), label="headroom steps"),
             admission_growth_share=draw(st.sampled_from([0.0, 0.5, 0.95, 1.0]), label="growth share"),
+            admission_prefix_wait_blocks=draw(st.sampled_from([0, 1, 2]), label="prefix wait blocks"),
+            predict_output_lengths=draw(st.sampled_from([True, True, False]), label="predict lengths"),
+            length_estimate_window=draw(st.integers(1, 6), label="length window"),
+            length_estimate_min_samples=draw(st.integers(1, 3), label="length min samples"),
+            length_estimate_quantile=draw(st.sampled_from([0.0, 0.2, 0.5, 1.0]), label="length quantile"),
+            preempt_min_priority_gap=draw(st.integers(1, 2), label="preempt gap"),
+            preempt_max_recompute_tokens=draw(st.sampled_from([0, 1, 4]), label="preempt recompute"),
+            preempt_max_times=draw(st.sampled_from([0, 1, 2]), label="preempt times"),
             debug_checks=True,
         )
         full = -(-max_model_len // block_size)  # blocks one request of max_model_len needs
         cache = CacheConfig(num_blocks=draw(st.integers(max(1, full // 2), 2 * full + 2), label="num_blocks"),
                             block_size=block_size,
-                            enable_prefix_caching=draw(st.sampled_from([True, True, False]), label="caching"))
+                            enable_prefix_caching=draw(st.sampled_from([True, True, False]), label="caching"),
+                            retain_preempted_blocks=draw(st.booleans(), label="retain preempted"))
         self.s = Scheduler(config, cache)
         self.clock = 0.0
         self.num_ids = 0

@@ -1,0 +1,162 @@
+"""Admission from predicted output lengths: the estimator, and the decisions it changes
+(and those it must not change)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cadence.statemachine.estimate import OutputLengthEstimator
+from cadence.statemachine.plan import StepResult
+
+from core_helpers import EOS, make_request, make_scheduler, sampling_ids
+
+
+def test_prior_is_the_declared_limit_until_enough_requests_finish():
+    est = OutputLengthEstimator(window=8, min_samples=3, quantile=0.5)
+    est.observe(5, at_limit=False)
+    est.observe(6, at_limit=False)
+    assert est.declared_only and est.predict(0, 100) == 100
+    est.observe(7, at_limit=False)
+    assert not est.declared_only and est.predict(0, 100) == 6
+
+
+def test_requests_that_run_to_their_limit_predict_the_limit():
+    """With max_tokens exact every finish is at the limit: every prediction is the
+    limit, whatever the limit and the progress."""
+    est = OutputLengthEstimator(window=8, min_samples=1, quantile=0.1)
+    for _ in range(5):
+        est.observe(40, at_limit=True)
+    assert est.declared_only
+    assert [est.predict(o, lim) for o, lim in [(0, 7), (3, 90), (89, 90)]] == [7, 90, 90]
+
+
+def test_prediction_is_the_quantile_of_outcomes_still_possible():
+    """Early stops at or below the progress are no longer possible; runs to the
+    limit count as this request's own limit, after every early stop."""
+    est = OutputLengthEstimator(window=10, min_samples=1, quantile=0.5)
+    for n in (10, 20, 30, 40):
+        est.observe(n, at_limit=False)
+    est.observe(99, at_limit=True)
+    # Outcomes for a fresh request with limit 200: 10, 20, 30, 40, 200 -> median 30.
+    assert est.predict(0, 200) == 30
+    # After 25 tokens: 30, 40, 200 -> median 40.
+    assert est.predict(25, 200) == 40
+    # After 40 tokens only the limit is left.
+    assert est.predict(40, 200) == 200
+    # A limit below the predicted length caps it.
+    assert est.predict(0, 25) == 25
+
+
+def test_a_request_that_outlived_every_early_stop_falls_back_to_its_limit():
+    est = OutputLengthEstimator(window=4, min_samples=1, quantile=0.0)
+    est.observe(3, at_limit=False)
+    assert est.predict(2, 50) == 3
+    assert est.predict(3, 50) == 50
+
+
+def test_the_window_forgets_the_oldest_outcome():
+    est = OutputLengthEstimator(window=2, min_samples=1, quantile=0.0)
+    est.observe(5, at_limit=False)
+    est.observe(9, at_limit=True)
+    assert est.predict(0, 100) == 5
+    est.observe(7, at_limit=True)  # 5 leaves the window: only runs to the limit remain
+    assert est.declared_only and est.predict(0, 100) == 100
+
+
+@pytest.mark.parametrize("quantile", [0.0, 0.3, 1.0])
+def test_predictions_stay_between_progress_and_limit(quantile):
+    rng = random.Random(3)
+    est = OutputLengthEstimator(window=16, min_samples=2, quantile=quantile)
+    for _ in range(200):
+        est.observe(rng.randint(1, 60), at_limit=rng.random() < 0.2)
+        limit = rng.randint(1, 80)
+        done = rng.randint(0, limit - 1)
+        assert done < est.predict(done, limit) <= limit
+
+
+def drive(s, arrivals: dict[int, list], eos_after: dict[str, int], steps: int) -> list[tuple]:
+    """Run `steps` steps adding `arrivals[step]`; a request samples EOS once it
+    has `eos_after[rid]` tokens (else a filler). Returns each plan's decisions."""
+    out = []
+    for t in range(steps):
+        for r in arrivals.get(t, []):
+            s.add_request(r)
+        plan = s.schedule(float(t))
+        sampled = {}
+        for rid in sampling_ids(s, plan):
+            r = s.requests[rid]
+            sampled[rid] = [EOS if len(r.output_token_ids) + 1 >= eos_after.get(rid, 10**9) else 100]
+        s.update(plan, StepResult(plan.step_id, sampled))
+        out.append((dict(plan.num_scheduled_tokens), [d.request_id for d in plan.new_requests],
+                    list(plan.preempted_ids)))
+    return out
+
+
+def workload(seed: int, n: int = 40, eos: bool = False):
+    rng = random.Random(seed)
+    arrivals: dict[int, list] = {}
+    eos_after: dict[str, int] = {}
+    for i in range(n):
+        rid = f"r{i}"
+        out_len = rng.randint(2, 24)
+        limit = out_len if not eos else 48 - 8
+        arrivals.setdefault(rng.randint(0, 20), []).append(
+            make_request(rid, rng.randint(4, 8), max_tokens=limit, ignore_eos=not eos))
+        eos_after[rid] = out_len
+    return arrivals, eos_after
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_exact_max_tokens_decides_as_without_prediction(seed):
+    """max_tokens exact (EOS ignored): every plan is the same with prediction on or off."""
+    common = dict(num_blocks=40, block_size=4, max_num_seqs=8, max_model_len=48,
+                  admission_headroom_steps=16, admission_growth_share=0.95)
+    on = make_scheduler(predict_output_lengths=True, length_estimate_min_samples=1, **common)
+    off = make_scheduler(predict_output_lengths=False, **common)
+    arrivals, eos_after = workload(seed)
+    assert drive(on, arrivals, eos_after, 150) == drive(off, *workload(seed), 150)
+    assert on.lengths.declared_only and on.lengths._num_at_limit > 0
+
+
+class AlwaysPredicting(OutputLengthEstimator):
+    """Never takes the shortcut: every projection goes through `predict`."""
+
+    __slots__ = ()
+
+    @property
+    def declared_only(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_declared_only_shortcut_changes_no_decision(seed):
+    """Generous limits with EOS: the shortcut (use the limit while no early stop
+    is in the window or too few finished) decides as calling `predict` always."""
+    common = dict(num_blocks=40, block_size=4, max_num_seqs=8, max_model_len=48,
+                  admission_headroom_steps=16, length_estimate_min_samples=4,
+                  length_estimate_window=6)
+    fast = make_scheduler(**common)
+    slow = make_scheduler(**common)
+    c = slow.config
+    slow.lengths = AlwaysPredicting(c.length_estimate_window, c.length_estimate_min_samples,
+                                    c.length_estimate_quantile)
+    assert drive(fast, *workload(seed, eos=True), 150) == drive(slow, *workload(seed, eos=True), 150)
+
+
+def test_prediction_admits_more_when_requests_stop_early():
+    """After requests with a generous max_tokens have stopped early on EOS, the
+    projection uses their lengths: more requests run at once than when it trusts
+    max_tokens, and every request still finishes."""
+    def run(predict: bool) -> int:
+        s = make_scheduler(num_blocks=48, block_size=4, max_num_seqs=16, max_model_len=64,
+                           admission_headroom_steps=64, predict_output_lengths=predict,
+                           length_estimate_min_samples=4)
+        arrivals = {0: [make_request(f"w{i}", 4, max_tokens=56) for i in range(4)],
+                    20: [make_request(f"r{i}", 4, max_tokens=56) for i in range(12)]}
+        eos_after = {f"w{i}": 3 for i in range(4)} | {f"r{i}": 3 for i in range(12)}
+        plans = drive(s, arrivals, eos_after, 60)
+        assert not s.has_work()
+        return max(len(p[0]) for p in plans[20:])
+    assert run(True) > run(False)
