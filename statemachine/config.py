@@ -122,6 +122,10 @@ class SchedulerConfig:
         step it finds them cached, rather than computing them a second time
         (0: never wait). Nothing behind it is admitted first, so arrival order
         holds.
+      prefix_tie_lookahead: with prefix caching, among waiting requests the policy
+        ranks equally (same key; under `fair`, one tenant and arrival time), up to
+        this many are looked at together and the one with the longest cached
+        prefix is examined first (1: policy order only).
       predict_output_lengths: project each running request's growth to its
         predicted end rather than its declared max_tokens. The prediction is the
         `length_estimate_quantile` of the outcomes of the last
@@ -165,6 +169,7 @@ class SchedulerConfig:
     admission_headroom_steps: int = attrs.field(default=128, validator=_at_least(0))
     admission_growth_share: float = attrs.field(default=0.95, validator=_share)
     admission_prefix_wait_blocks: int = attrs.field(default=2, validator=_at_least(0))
+    prefix_tie_lookahead: int = attrs.field(default=8, validator=_at_least(1))
     predict_output_lengths: bool = True
     length_estimate_window: int = attrs.field(default=512, validator=_at_least(1))
     length_estimate_min_samples: int = attrs.field(default=16, validator=_at_least(1))

@@ -84,6 +84,20 @@ class KeyedPolicy:
                 return request
         return None
 
+    def peek(self) -> Request | None:
+        """The request `pop` would return, left in the queue."""
+        heap = self._heap
+        while heap:
+            _, _, seq, request = heap[0]
+            if request.queue_seq == seq:
+                return request
+            heapq.heappop(heap)  # removed since it was pushed
+        return None
+
+    def ties(self, a: Request, b: Request) -> bool:
+        """Whether `a` and `b` rank equally (only their arrival sequence tells them apart)."""
+        return self.key(a) == self.key(b)
+
     def sorts_after(self, a: Request, b: Request) -> bool:
         """Whether `a` waits behind `b` in this policy's order (keys are static)."""
         return (self.key(a), a.arrival_seq) > (self.key(b), b.arrival_seq)
@@ -273,6 +287,27 @@ class FairPolicy:
         self.num_active[request.tenant] -= 1
 
     def pop(self) -> Request | None:
+        queue = self._next_queue()
+        if queue is None:
+            return None
+        _, request = heapq.heappop(queue)
+        request.queue_seq = 0
+        self._count -= 1
+        self._deactivate(request)
+        self._examined.add(request.request_id)
+        return request
+
+    def peek(self) -> Request | None:
+        """The request `pop` would return, left in the queue."""
+        queue = self._next_queue()
+        return None if queue is None else queue[0][1]
+
+    def ties(self, a: Request, b: Request) -> bool:
+        """Whether `a` and `b` rank equally: one tenant, one arrival time."""
+        return a.tenant == b.tenant and a.arrival_s == b.arrival_s
+
+    def _next_queue(self) -> list[tuple] | None:
+        """The queue of the tenant to serve next, its head live; None if none waits."""
         tenants, counters, num_active = self._tenants, self.counters, self.num_active
         while tenants:
             counter, rank, tenant = tenants[0]
@@ -288,12 +323,7 @@ class FairPolicy:
             queue = self.queues[tenant]
             while queue[0][1].queue_seq is not queue[0][0]:
                 heapq.heappop(queue)  # removed or popped since it was pushed
-            _, request = heapq.heappop(queue)
-            request.queue_seq = 0
-            self._count -= 1
-            self._deactivate(request)
-            self._examined.add(request.request_id)
-            return request
+            return queue
         return None
 
     def remove(self, request: Request) -> None:

@@ -87,6 +87,10 @@ class Scheduler:
                                               config.length_estimate_min_samples,
                                               config.length_estimate_quantile)
                         if config.predict_output_lengths else None)
+        # Longest-prefix-first among tied waiting requests, where the policy can
+        # tell ties and show its next request without taking it.
+        self._prefix_ties = (cache.enable_prefix_caching and config.prefix_tie_lookahead > 1
+                             and hasattr(self.policy, "peek") and hasattr(self.policy, "ties"))
         if config.debug_checks:
             from .invariants import check_scheduler
             self._checker = check_scheduler
@@ -150,7 +154,8 @@ class Scheduler:
             need = self.blocks.blocks_for(request.num_tokens) - len(self.blocks.find_cached_prefix(request))
             if need < self._min_need:
                 self._min_need = need
-        elif cut is None or not getattr(self.policy, "sorts_after", _never)(request, cut):
+        elif (cut is None or not getattr(self.policy, "sorts_after", _never)(request, cut)
+              or (self._prefix_ties and self.policy.ties(request, cut))):
             self._queue_version += 1  # it may be examined by the next pass
         self.collector.num_requests_added += 1
         self.collector.saw_time(request.arrival_s)
@@ -421,6 +426,10 @@ class Scheduler:
         preemptive = getattr(policy, "preempts_running", True)
         prefix_wait = config.admission_prefix_wait_blocks if blocks.enable_prefix_caching else 0
         computing: set[bytes] = set()
+        # Requests tied with the one being examined, taken out to be examined next
+        # (the longest cached prefix last, as `pop` takes them).
+        ahead: list[Request] = []
+        prefix_ties = self._prefix_ties
         # Start from a bound on the projection (growth over the whole horizon, no
         # release credited): an admission that fits beside it fits beside the
         # projection, which is only computed when the bound is too tight.
@@ -442,9 +451,14 @@ class Scheduler:
                 # Every admission needs at least one fresh block beyond the reserve.
                 short_of_blocks, min_need = True, min(min_need, 1)
                 break
-            request = policy.pop()
-            if request is None:
-                break
+            if ahead:
+                request = ahead.pop()
+            else:
+                request = policy.pop()
+                if request is None:
+                    break
+                if prefix_ties:
+                    request = self._longest_prefix_first(request, ahead, computing)
             put_back.append(request)
             if request in preempted:
                 continue  # not readmitted in the step that preempted it
@@ -524,6 +538,7 @@ class Scheduler:
             scheduled[request.request_id] = n
             budget -= n
             num_admitted += 1
+        put_back.extend(ahead)
         for request in put_back:
             policy.push(request)
         if (num_admitted == 0 and short_of_blocks and len(self.running) < max_seqs
@@ -589,6 +604,32 @@ class Scheduler:
                 return peak, left
         need = horizon * alive * per_step - released
         return (need if need > peak else peak), horizon
+
+    def _longest_prefix_first(self, first: Request, ahead: list[Request],
+                              computing: set[bytes]) -> Request:
+        """Among `first` and the waiting requests tied with it (up to
+        `prefix_tie_lookahead` in all), the one to examine first: the longest
+        cached prefix, and not one that would wait for a prefix being computed;
+        policy order among equals. The rest go to `ahead`, best last."""
+        policy = self.policy
+        group = [first]
+        limit = self.config.prefix_tie_lookahead
+        while len(group) < limit:
+            nxt = policy.peek()
+            if nxt is None or not policy.ties(first, nxt):
+                break
+            group.append(policy.pop())
+        if len(group) == 1:
+            return first
+        find = self.blocks.find_cached_prefix
+
+        def rank(r: Request) -> tuple[bool, int]:
+            hits = len(find(r))
+            return (bool(computing) and self._shares_computing(r, hits, computing), -hits)
+
+        group.sort(key=rank)
+        ahead.extend(reversed(group[1:]))
+        return group[0]
 
     def _shares_computing(self, request: Request, num_hits: int, computing: set[bytes]) -> bool:
         """Whether the blocks after `request`'s cached prefix are, for at least

@@ -10,7 +10,7 @@ from __future__ import annotations
 from hypothesis import given, settings, strategies as st
 
 from cadence.statemachine.config import SchedulerConfig
-from cadence.statemachine.policy import FairPolicy
+from cadence.statemachine.policy import FairPolicy, make_policy
 
 from core_helpers import examples, make_request
 
@@ -64,7 +64,7 @@ OPS = st.lists(st.tuples(st.sampled_from(["arrive", "pop", "put_back", "remove",
 @given(OPS)
 def test_fair_heaps_pop_what_a_scan_would(ops):
     """FairPolicy's tenant heap (stale-low entries refreshed on pop) and per-tenant
-    arrival heaps give the same pops as a full scan, through arrivals, removals,
+    arrival heaps give the same pops as a full scan (and `peek` shows each pop), through arrivals, removals,
     requests popped and pushed back out of order, and counters charged meanwhile."""
     config = SchedulerConfig(policy="fair")
     fair, scan = FairPolicy(config), ScanFair(config)
@@ -80,8 +80,9 @@ def test_fair_heaps_pop_what_a_scan_would(ops):
             fair.push(r)
             scan.push(r)
         elif op == "pop":
+            peeked = fair.peek()
             got, want = fair.pop(), scan.pop()
-            assert got is want
+            assert got is want and peeked is got
             if got is not None:
                 popped.append(got)
         elif op == "put_back" and popped:
@@ -108,3 +109,27 @@ def test_fair_heaps_pop_what_a_scan_would(ops):
         assert got is want
         if got is None:
             break
+
+
+@settings(max_examples=examples(100), deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 3), st.booleans()), max_size=40))
+def test_keyed_peek_shows_what_pop_returns(ops):
+    """KeyedPolicy.peek skips removed entries and shows the next pop."""
+    policy = make_policy(SchedulerConfig(policy="priority"))
+    live = []
+    for i, (priority, arrival, remove) in enumerate(ops):
+        r = make_request(f"r{i}", 2, priority=priority, arrival_s=float(arrival))
+        r.arrival_seq = i + 1
+        policy.push(r)
+        live.append(r)
+        if remove:
+            victim = live.pop(arrival % len(live))
+            policy.remove(victim)
+    while True:
+        peeked = policy.peek()
+        got = policy.pop()
+        assert peeked is got
+        if got is None:
+            break
+        live.remove(got)
+    assert not live

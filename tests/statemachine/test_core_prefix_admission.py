@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import random
+
+import pytest
+
 from core_helpers import first_admissions, make_request, make_scheduler, run_until_idle, step
 
 SHARED = list(range(500, 516))  # four blocks of four tokens
@@ -51,3 +55,53 @@ def test_waiting_keeps_arrival_order():
     same_step_arrivals(s)
     _, events = run_until_idle(s)
     assert first_admissions(events) == ["a", "b", "c"]
+
+
+def test_longest_cached_prefix_first_among_tied_requests():
+    """x, y and z arrive together; only z's prompt is cached: z is admitted first.
+    A request that arrived earlier is not overtaken, whatever its prefix."""
+    s = make_scheduler(block_size=4, max_num_seqs=1)
+    s.add_request(make_request("warm", SHARED + [1], max_tokens=1, arrival_s=0.0))
+    run_until_idle(s, start_s=0.0)
+    s.add_request(make_request("early", 9, max_tokens=1, arrival_s=1.0))
+    for rid in ("x", "y"):
+        s.add_request(make_request(rid, 9, max_tokens=1, arrival_s=2.0))
+    s.add_request(make_request("z", SHARED + [2], max_tokens=1, arrival_s=2.0))
+    _, events = run_until_idle(s, start_s=3.0)
+    assert first_admissions(events) == ["early", "z", "x", "y"]
+
+
+def test_policy_order_among_ties_without_lookahead():
+    s = make_scheduler(block_size=4, max_num_seqs=1, prefix_tie_lookahead=1)
+    s.add_request(make_request("warm", SHARED + [1], max_tokens=1, arrival_s=0.0))
+    run_until_idle(s, start_s=0.0)
+    for rid in ("x", "y"):
+        s.add_request(make_request(rid, 9, max_tokens=1, arrival_s=2.0))
+    s.add_request(make_request("z", SHARED + [2], max_tokens=1, arrival_s=2.0))
+    _, events = run_until_idle(s, start_s=3.0)
+    assert first_admissions(events) == ["x", "y", "z"]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "fair"])
+@pytest.mark.parametrize("seed", range(3))
+def test_lookahead_changes_nothing_without_cached_prefixes(policy, seed):
+    """Unique prompts and room for every seat's longest request (no preemption), so
+    no request ever finds a cached block: every plan is the same with or without
+    the tie lookahead, with many ties and seats as the binding limit."""
+    def plans(lookahead: int) -> tuple[list, int]:
+        rng = random.Random(seed)
+        s = make_scheduler(policy, num_blocks=48, block_size=4, max_num_seqs=6,
+                           preempt_for_priority=False, prefix_tie_lookahead=lookahead)
+        out = []
+        for t in range(120):
+            for i in range(rng.randint(0, 2)):
+                s.add_request(make_request(f"r{t}-{i}", rng.randint(3, 14), max_tokens=rng.randint(1, 12),
+                                           priority=rng.randint(0, 2), tenant=rng.choice("ab"),
+                                           arrival_s=float(t // 4), ignore_eos=True))
+            plan, _ = step(s, float(t))
+            out.append((dict(plan.num_scheduled_tokens), list(plan.preempted_ids)))
+        assert s.blocks.num_hit_tokens == 0 and s.num_resume_hit_tokens == 0
+        return out, s.stats().num_preemptions
+    with_lookahead, _ = plans(8)
+    without, preemptions = plans(1)
+    assert with_lookahead == without and preemptions == 0

@@ -107,6 +107,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             admission_headroom_steps=draw(st.sampled_from([0, 0, 2, 16, 128]), label="headroom steps"),
             admission_growth_share=draw(st.sampled_from([0.0, 0.5, 0.95, 1.0]), label="growth share"),
             admission_prefix_wait_blocks=draw(st.sampled_from([0, 1, 2]), label="prefix wait blocks"),
+            prefix_tie_lookahead=draw(st.sampled_from([1, 2, 8]), label="prefix tie lookahead"),
             predict_output_lengths=draw(st.sampled_from([True, True, False]), label="predict lengths"),
             length_estimate_window=draw(st.integers(1, 6), label="length window"),
             length_estimate_min_samples=draw(st.integers(1, 3), label="length min samples"),
