@@ -87,16 +87,23 @@ def test_a_request_preempted_once_is_not_displaced_again():
     run_until_idle(s)
 
 
-def test_blocks_of_a_preempted_request_are_evicted_after_all_others():
-    """b was freed after a (preempted, retained): b's cached block goes first."""
+def two_freed(retain_a: bool) -> tuple[BlockManager, int, int]:
+    """Requests a then b computed one cached block each and were freed in that
+    order (a as a preemption when `retain_a`); 3 of 5 blocks are free."""
     bm = BlockManager(num_blocks=5, block_size=2)
     a, b = Request("a", [1, 2, 3]), Request("b", [4, 5, 6])
     for r in (a, b):
         assert bm.allocate(r.request_id, [], 3)
         bm.cache_full_blocks(r, 2)
     a_head, b_head = bm.table("a")[0], bm.table("b")[0]
-    bm.free("a", retain=True)
+    bm.free("a", retain=retain_a)
     bm.free("b")
+    return bm, a_head, b_head
+
+
+def test_blocks_of_a_preempted_request_are_evicted_after_all_others():
+    """b was freed after a (preempted, retained): b's cached block goes first."""
+    bm, a_head, b_head = two_freed(retain_a=True)
     assert bm.retained == {a_head}
     assert bm.allocate("c", [], 8)  # 4 blocks: the 3 free ones, then one evicted
     assert b_head in bm.table("c") and a_head not in bm.table("c")
@@ -106,12 +113,5 @@ def test_blocks_of_a_preempted_request_are_evicted_after_all_others():
 
 
 def test_without_retention_the_least_recently_freed_goes_first():
-    bm = BlockManager(num_blocks=5, block_size=2)
-    a, b = Request("a", [1, 2, 3]), Request("b", [4, 5, 6])
-    for r in (a, b):
-        assert bm.allocate(r.request_id, [], 3)
-        bm.cache_full_blocks(r, 2)
-    a_head = bm.table("a")[0]
-    bm.free("a")
-    bm.free("b")
+    bm, a_head, _ = two_freed(retain_a=False)
     assert bm.allocate("c", [], 8) and a_head in bm.table("c")
