@@ -461,7 +461,11 @@ class Scheduler:
                     request = self._longest_prefix_first(request, ahead, computing)
             put_back.append(request)
             if request in preempted:
-                continue  # not readmitted in the step that preempted it
+                # Not readmitted in the step that preempted it; its need is not known
+                # here (its blocks may still be cached), so no count of free blocks
+                # may keep a failed pass standing for it.
+                min_need = 0
+                continue
             if config.reject_late and self._is_late(request):
                 put_back.pop()
                 self._events.append(self._complete(request, E.REJECT, FinishReason.REJECTED,

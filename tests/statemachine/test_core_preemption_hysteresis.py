@@ -115,3 +115,23 @@ def test_blocks_of_a_preempted_request_are_evicted_after_all_others():
 def test_without_retention_the_least_recently_freed_goes_first():
     bm, a_head, _ = two_freed(retain_a=False)
     assert bm.allocate("c", [], 8) and a_head in bm.table("c")
+
+
+def test_a_failed_pass_does_not_stand_over_a_request_preempted_in_its_step():
+    """x is preempted in step 1 and skipped by that step's pass, which fails for y
+    (7 fresh blocks). z's finish then frees blocks: fewer than y needs, but x needs
+    only a block or two beside its cached ones. The failed pass must not stand
+    on y's need: x is readmitted in step 2."""
+    s = make_scheduler("priority", num_blocks=10, block_size=4, max_num_seqs=4)
+    s.add_request(make_request("a", 16, max_tokens=20, priority=1, arrival_s=0.0))
+    s.add_request(make_request("x", 16, max_tokens=20, priority=1, arrival_s=0.1))
+    s.add_request(make_request("z", 4, max_tokens=2, priority=0, arrival_s=0.2))
+    s.add_request(make_request("y", 28, max_tokens=2, priority=1, arrival_s=0.3))
+    plan, _ = step(s, 0.0)
+    assert sorted(plan.num_scheduled_tokens) == ["a", "x", "z"]
+    plan, _ = step(s, 1.0)
+    assert plan.preempted_ids == ["x"] and "z" in plan.finished_ids + list(plan.num_scheduled_tokens)
+    assert "z" not in s.requests  # finished: its blocks are back
+    plan, _ = step(s, 2.0)
+    assert [d.request_id for d in plan.new_requests] == ["x"]
+    assert plan.new_requests[0].num_computed_tokens >= 12  # its retained blocks, found again
