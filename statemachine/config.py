@@ -111,8 +111,8 @@ class SchedulerConfig:
         free the most blocks this projection of the running requests needs at
         any point before the releases it expects have paid for the growth, or
         before this many steps, whichever comes first. A request admitted in the
-        same pass adds its own growth. The projection uses max_tokens, so it is
-        an upper bound for requests that can stop early on EOS.
+        same pass adds its own growth. The projection runs each request to its
+        length limit, or to its predicted end (`predict_output_lengths`).
       admission_growth_share: the fraction of that projected growth admission holds
         back; below 1 admits a little ahead of the projection, betting that some
         requests stop early (EOS) and accepting an occasional preemption.

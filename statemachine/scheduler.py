@@ -567,7 +567,8 @@ class Scheduler:
         projection stops; see `admission_headroom_steps`.
 
         Each request is taken to grow one token per step, a block every
-        `block_size` steps on average, until its length limit, and then to free
+        `block_size` steps on average, until its length limit (or its predicted
+        end, see `_tokens_left`), and then to free
         every block it holds. The need peaks just before a release; the projection
         stops at the first release after which the blocks freed so far cover all
         the growth so far, or at the horizon.
