@@ -34,12 +34,8 @@ was lost.
 from __future__ import annotations
 
 import bisect
-import hmac
 import logging
 import math
-import os
-import socket
-import stat
 from collections import OrderedDict, deque
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Protocol, Sequence, Union, runtime_checkable
@@ -53,10 +49,11 @@ from ..client import AsyncClient, AsyncStream, open_client, parse_address
 from ..framing import MAX_FRAME_BYTES
 from ..validation import RequestLimits
 from ..wire import (
-    DEFAULT_MAX_REQUEST_FRAME_BYTES, Abort, Accepted, ClientTimeoutError, ConnectionClosedError,
-    Error, ErrorCode, FrameBuffer, FrameTooLargeError, Generate, HealthQuery, HealthReply, Hello,
-    MessageError, Output, ServerError, StatsQuery, StatsReply, Welcome, decode_request, encode,
-    pack_frame,
+    DEFAULT_MAX_REQUEST_FRAME_BYTES, Accepted, ClientTimeoutError, ConnectionClosedError, Error,
+    ErrorCode, Generate, HealthReply, Output, ServerError, StatsReply, Welcome, encode, pack_frame,
+)
+from .connection import (
+    DEFAULT_OUTPUT_QUEUE_BYTES, Connection, Front, StreamState, port_number, positive,
 )
 
 __all__ = [
@@ -85,7 +82,6 @@ ROUTER_NAME = "cadence-router/0.1"
 # size times this, a typical bytes-per-token ratio, so a text block covers
 # roughly what one KV block holds.
 TEXT_BYTES_PER_TOKEN = 4
-_READ_BYTES = 1 << 16
 # Error codes after which a request that has produced no output is placed
 # again: the replica could not take it, through no fault of the request (an
 # Error flagged `poison` says the request was the fault, and is never retried).
@@ -98,17 +94,10 @@ _REPLICA_DOWN_CODES = frozenset({ErrorCode.ENGINE_CLOSED.value, ErrorCode.SHUTDO
 # Stats keys that are ratios or gauges, not counters: never summed across replicas.
 _AVERAGED_STATS = frozenset({"avg_batch_size", "kv_usage", "avg_wait_s", "prefix_hit_rate",
                              "tokens_per_s", "requests_per_s", "elapsed_s"})
-# Most seconds a closing connection spends writing what is still queued for it.
-_DRAIN_S = 5.0
 # Admissions remembered in `Router.recent_admissions`.
 _ADMISSION_LOG = 1024
 
 Address = Union[str, tuple]
-
-
-def _positive(instance, attribute, value) -> None:
-    if value is not None and not value > 0:
-        raise ConfigError(f"{attribute.name} must be > 0, got {value!r}")
 
 
 def _non_negative(instance, attribute, value) -> None:
@@ -154,34 +143,38 @@ class RouterConfig:
     max_retries: placements after the first for a request whose replica was
       lost before it produced output.
     max_frame_bytes, max_connections, max_inflight_per_connection,
-    max_protocol_errors, handshake_timeout_s, output_queue_frames: the
-      client-side limits, with the server's meaning.
+    max_protocol_errors, idle_timeout_s, handshake_timeout_s, send_timeout_s,
+    output_queue_frames, output_queue_bytes: the client-side limits, with the
+      server's meaning (no idle timeout by default).
     """
 
     replicas: tuple = attrs.field(converter=_addresses)
     host: str = "127.0.0.1"
-    port: int | None = DEFAULT_ROUTER_PORT
+    port: int | None = attrs.field(default=DEFAULT_ROUTER_PORT, validator=port_number)
     unix_path: str | None = None
     token: str | None = attrs.field(default=None, repr=False)
     replica_token: str | None = attrs.field(default=None, repr=False)
     policy: Any = "prefix"
-    max_inflight_per_replica: int = attrs.field(default=64, validator=_positive)
-    max_queued: int = attrs.field(default=4096, validator=_positive)
-    block_size: int | None = attrs.field(default=None, validator=_positive)
-    index_blocks_per_replica: int = attrs.field(default=1 << 16, validator=_positive)
+    max_inflight_per_replica: int = attrs.field(default=64, validator=positive)
+    max_queued: int = attrs.field(default=4096, validator=positive)
+    block_size: int | None = attrs.field(default=None, validator=positive)
+    index_blocks_per_replica: int = attrs.field(default=1 << 16, validator=positive)
     tokenizer: Any = None
-    health_interval_s: float = attrs.field(default=1.0, validator=_positive)
-    health_timeout_s: float = attrs.field(default=2.0, validator=_positive)
-    reconnect_interval_s: float = attrs.field(default=1.0, validator=_positive)
-    replica_timeout_s: float = attrs.field(default=600.0, validator=_positive)
-    start_timeout_s: float = attrs.field(default=10.0, validator=_positive)
+    health_interval_s: float = attrs.field(default=1.0, validator=positive)
+    health_timeout_s: float = attrs.field(default=2.0, validator=positive)
+    reconnect_interval_s: float = attrs.field(default=1.0, validator=positive)
+    replica_timeout_s: float = attrs.field(default=600.0, validator=positive)
+    start_timeout_s: float = attrs.field(default=10.0, validator=positive)
     max_retries: int = attrs.field(default=2, validator=_non_negative)
-    max_frame_bytes: int = attrs.field(default=DEFAULT_MAX_REQUEST_FRAME_BYTES, validator=_positive)
-    max_connections: int = attrs.field(default=1024, validator=_positive)
-    max_inflight_per_connection: int = attrs.field(default=256, validator=_positive)
-    max_protocol_errors: int = attrs.field(default=16, validator=_positive)
-    handshake_timeout_s: float = attrs.field(default=10.0, validator=_positive)
-    output_queue_frames: int = attrs.field(default=64, validator=_positive)
+    max_frame_bytes: int = attrs.field(default=DEFAULT_MAX_REQUEST_FRAME_BYTES, validator=positive)
+    max_connections: int = attrs.field(default=1024, validator=positive)
+    max_inflight_per_connection: int = attrs.field(default=256, validator=positive)
+    max_protocol_errors: int = attrs.field(default=16, validator=positive)
+    idle_timeout_s: float | None = attrs.field(default=None, validator=positive)
+    handshake_timeout_s: float = attrs.field(default=10.0, validator=positive)
+    send_timeout_s: float = attrs.field(default=30.0, validator=positive)
+    output_queue_frames: int = attrs.field(default=64, validator=positive)
+    output_queue_bytes: int = attrs.field(default=DEFAULT_OUTPUT_QUEUE_BYTES, validator=positive)
 
     def __attrs_post_init__(self) -> None:
         if not self.replicas:
@@ -200,9 +193,9 @@ class RouterConfig:
             "max_inflight_per_connection": self.max_inflight_per_connection,
             "max_inflight_per_tenant": None,
             "max_protocol_errors": self.max_protocol_errors,
-            "idle_timeout_s": None,
+            "idle_timeout_s": self.idle_timeout_s,
             "handshake_timeout_s": self.handshake_timeout_s,
-            "send_timeout_s": None,
+            "send_timeout_s": self.send_timeout_s,
             "max_inflight_per_replica": self.max_inflight_per_replica,
             "max_queued": self.max_queued,
         }
@@ -476,34 +469,30 @@ class _Retry(Exception):
         self.code = code
 
 
-class Router:
+class Router(Front):
     """Serves many clients from several replicas; see the module docstring.
 
     Run it with `nursery.start(router.serve)` (returns once it listens and the
     replicas have answered); `shutdown()` closes every connection and returns.
     """
 
+    kind = "router"
+
     def __init__(self, config: RouterConfig) -> None:
-        self.config = config
+        super().__init__(config)
         self.policy = make_policy(config.policy)
         self.replicas = [Replica(i, address, PrefixIndex(config.index_blocks_per_replica))
                          for i, address in enumerate(config.replicas)]
         self.queue = AdmissionQueue()
-        self.connections: dict[int, _RouterConnection] = {}
-        self.tcp_address: tuple[str, int] | None = None
-        self.unix_path: str | None = None
         self.welcome: Welcome | None = None
-        self.welcome_frame = b""
         self.num_inflight = 0
         self.num_retries = 0
         self.num_replica_failures = 0
         self.recent_admissions: deque[tuple[int, str, int]] = deque(maxlen=_ADMISSION_LOG)
         self._num_requests = 0
-        self._num_connections_opened = 0
         self._stop = trio.Event()
         self._stopped = trio.Event()
         self._replica_up = trio.Event()
-        self._connections_gone = trio.Event()
 
     # ---- lifecycle ---------------------------------------------------------------
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -514,24 +503,21 @@ class Router:
                 for replica in self.replicas:
                     nursery.start_soon(self._supervise, replica)
                 await self._wait_for_replicas()
-                listeners = await self._open_listeners()
-                nursery.start_soon(self._accept, listeners, nursery)
+                listeners = await self.open_listeners()
+                nursery.start_soon(self.accept, listeners, nursery)
+                nursery.start_soon(self.watch_sends)
                 task_status.started(self)
                 await self._stop.wait()
+                self.draining = True
+                self.stop_accepting()
                 for conn in list(self.connections.values()):
                     conn.close(Error(ErrorCode.SHUTDOWN.value, "the router is shutting down",
-                                     fatal=True))
+                                     fatal=True), "shutdown")
                 with trio.move_on_after(self.config.handshake_timeout_s):
-                    while self.connections:
-                        self._connections_gone = trio.Event()
-                        await self._connections_gone.wait()
+                    await self.wait_connections_gone()
                 nursery.cancel_scope.cancel()
         finally:
-            with trio.CancelScope(shield=True):
-                for listener in listeners:
-                    await listener.aclose()
-            if self.unix_path is not None and os.path.exists(self.unix_path):
-                os.unlink(self.unix_path)
+            await self.close_listeners(listeners)
             self._stopped.set()
 
     def shutdown(self) -> None:
@@ -541,16 +527,6 @@ class Router:
     async def wait_stopped(self) -> None:
         """Wait until `serve` has returned."""
         await self._stopped.wait()
-
-    @property
-    def addresses(self) -> list[str]:
-        """Where the router listens, as `tcp://host:port` and `unix:/path` strings."""
-        out = []
-        if self.tcp_address is not None:
-            out.append(f"tcp://{self.tcp_address[0]}:{self.tcp_address[1]}")
-        if self.unix_path is not None:
-            out.append(f"unix:{self.unix_path}")
-        return out
 
     async def _wait_for_replicas(self) -> None:
         timeout = self.config.start_timeout_s
@@ -562,63 +538,13 @@ class Router:
             raise ConnectionClosedError(f"no replica answered within {timeout} s: "
                                         f"{', '.join(map(str, self.config.replicas))}")
 
-    async def _open_listeners(self) -> list[trio.SocketListener]:
-        config, listeners = self.config, []
-        if config.port is not None:
-            tcp = await trio.open_tcp_listeners(config.port, host=config.host)
-            listeners.extend(tcp)
-            self.tcp_address = tuple(tcp[0].socket.getsockname()[:2])
-        if config.unix_path is not None:
-            listeners.append(await self._open_unix_listener(config.unix_path))
-        return listeners
+    def make_connection(self, stream: trio.SocketStream, conn_id: int) -> _RouterConnection:
+        """A connection whose requests go to the replicas."""
+        return _RouterConnection(self, stream, conn_id)
 
-    async def _open_unix_listener(self, path: str) -> trio.SocketListener:
-        if os.path.exists(path):
-            if not stat.S_ISSOCK(os.stat(path).st_mode):
-                raise ConfigError(f"{path} exists and is not a socket")
-            try:
-                probe = await trio.open_unix_socket(path)
-            except OSError:
-                os.unlink(path)  # left behind by a process that died
-            else:
-                await probe.aclose()
-                raise ConfigError(f"another process is listening on {path}")
-        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            await sock.bind(path)
-            os.chmod(path, 0o600)  # owner only, before anyone can connect
-            sock.listen(128)
-        except BaseException:
-            sock.close()
-            raise
-        self.unix_path = path
-        return trio.SocketListener(sock)
-
-    async def _accept(self, listeners, nursery: trio.Nursery) -> None:
-        await trio.serve_listeners(self._handle, listeners, handler_nursery=nursery)
-
-    async def _handle(self, stream: trio.SocketStream) -> None:
-        self._num_connections_opened += 1
-        conn = _RouterConnection(self, stream, self._num_connections_opened)
-        if len(self.connections) >= self.config.max_connections:
-            await conn.refuse(Error(ErrorCode.TOO_MANY_CONNECTIONS.value,
-                                    f"the router already has {len(self.connections)} connections",
-                                    limit="max_connections", fatal=True))
-            return
-        self.connections[conn.conn_id] = conn
-        try:
-            await conn.run()
-        finally:
-            del self.connections[conn.conn_id]
-            if not self.connections:
-                self._connections_gone.set()
-
-    def check_token(self, token: str | None) -> bool:
-        """Whether a Hello's token is acceptable (compared in constant time)."""
-        expected = self.config.token
-        if expected is None:
-            return True
-        return token is not None and hmac.compare_digest(token.encode(), expected.encode())
+    def stream_finished(self, state: _RouterStream) -> None:
+        """A client stream ended."""
+        self.num_inflight -= 1
 
     # ---- replicas ----------------------------------------------------------------
     async def _supervise(self, replica: Replica) -> None:
@@ -832,198 +758,58 @@ def _sum_stats(all_stats: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 @attrs.define(eq=False)
-class _RouterStream:
+class _RouterStream(StreamState):
     """One live client stream."""
 
-    stream: int
-    request: RoutedRequest
-    scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+    request: RoutedRequest | None = None
     remote: AsyncStream | None = None
-    abort_requested: bool = False
     accepted: bool = False
     streamed: bool = False
 
 
-class _RouterConnection:
-    """One client connection: handshake, frames in, one task per stream, a writer."""
+class _RouterConnection(Connection):
+    """A client connection of the router: each Generate is placed on a replica."""
+
+    router: Router
 
     def __init__(self, router: Router, stream: trio.SocketStream, conn_id: int) -> None:
+        super().__init__(router, stream, conn_id)
         self.router = router
-        self.config = router.config
-        self.stream = stream
-        self.conn_id = conn_id
-        self.streams: dict[int, _RouterStream] = {}
-        self.num_protocol_errors = 0
-        self._greeted = False
-        self._final: Error | None = None
-        self._reader_scope = trio.CancelScope()
-        self._streams_nursery: trio.Nursery | None = None
-        self._send, self._outbox = trio.open_memory_channel(self.config.output_queue_frames)
 
-    async def refuse(self, frame: Error) -> None:
-        """Send one fatal Error and close."""
-        with trio.move_on_after(1.0):
-            try:
-                await self.stream.send_all(pack_frame(encode(frame)))
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                pass
-        await self.stream.aclose()
-
-    def close(self, frame: Error) -> None:
-        """Close after sending `frame`; live streams are aborted."""
-        if self._final is None:
-            self._final = frame
-        self._reader_scope.cancel()
-
-    async def run(self) -> None:
-        """Serve the connection until the peer leaves or it is closed."""
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._writer)
-                async with trio.open_nursery() as streams:
-                    self._streams_nursery = streams
-                    with self._reader_scope:
-                        await self._read_loop()
-                    streams.cancel_scope.cancel()
-                # The streams are over; what is queued (the final Error too) gets
-                # a bounded time to reach a client that may not be reading.
-                nursery.cancel_scope.deadline = trio.current_time() + _DRAIN_S
-                if self._final is not None:
-                    await self._send.send(pack_frame(encode(self._final)))
-                await self._send.aclose()
-        finally:
-            with trio.CancelScope(shield=True):
-                await self.stream.aclose()
-
-    async def _writer(self) -> None:
-        try:
-            async for frame in self._outbox:
-                await self.stream.send_all(frame)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            self._reader_scope.cancel()
-
-    async def send(self, message) -> None:
-        """Queue a frame for the writer, waiting while the queue is full."""
-        try:
-            await self._send.send(pack_frame(encode(message)))
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            pass
-
-    async def _read_loop(self) -> None:
-        buffer = FrameBuffer(self.config.max_frame_bytes)
-        deadline = trio.current_time() + self.config.handshake_timeout_s
-        try:
-            while True:
-                try:
-                    frame = buffer.next_frame()
-                except FrameTooLargeError as exc:
-                    self.close(Error(ErrorCode.FRAME_TOO_LARGE.value, str(exc),
-                                     limit="max_frame_bytes", fatal=True))
-                    return
-                if frame is not None:
-                    if await self._on_frame(frame):
-                        return
-                    continue
-                with trio.CancelScope(deadline=math.inf if self._greeted else deadline) as scope:
-                    data = await self.stream.receive_some(_READ_BYTES)
-                if scope.cancelled_caught:
-                    self.close(Error(ErrorCode.HANDSHAKE_TIMEOUT.value,
-                                     f"no Hello within {self.config.handshake_timeout_s} s",
-                                     limit="handshake_timeout_s", fatal=True))
-                    return
-                if not data:
-                    return
-                buffer.feed(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            return
-
-    async def _on_frame(self, frame: bytes) -> bool:
-        """Handle one frame; True when the connection must close."""
-        try:
-            message = decode_request(frame)
-        except MessageError as exc:
-            return await self._on_bad_message(exc)
-        if not self._greeted:
-            if type(message) is not Hello:
-                self.close(Error(ErrorCode.HANDSHAKE_REQUIRED.value,
-                                 f"the first message must be Hello, got {message.TYPE}", fatal=True))
-                return True
-            if not self.router.check_token(message.token):
-                self.close(Error(ErrorCode.UNAUTHORIZED.value, "missing or wrong token", fatal=True))
-                return True
-            self._greeted = True
-            await self._send.send(self.router.welcome_frame)
-            return False
-        kind = type(message)
-        if kind is Generate:
-            await self._on_generate(message)
-        elif kind is Abort:
-            await self._on_abort(message)
-        elif kind is StatsQuery:
-            self._streams_nursery.start_soon(self._answer_stats, message.ref)
-        elif kind is HealthQuery:
-            await self.send(self.router.health(message.ref))
-        else:
-            return await self._on_bad_message(MessageError("Hello was already received on this connection"))
-        return False
+    async def answer_stats(self, ref: int) -> None:
+        """Every replica's Stats, gathered in a task of its own."""
+        self.streams_nursery.start_soon(self._answer_stats, ref)
 
     async def _answer_stats(self, ref: int) -> None:
         await self.send(await self.router.stats(ref))
 
-    async def _on_bad_message(self, exc: MessageError) -> bool:
-        if not self._greeted or exc.code is ErrorCode.UNSUPPORTED_VERSION:
-            code = ErrorCode.HANDSHAKE_REQUIRED if exc.code is ErrorCode.INVALID_REQUEST else exc.code
-            self.close(Error(code.value, str(exc), fatal=True))
-            return True
-        if exc.code is not ErrorCode.INVALID_REQUEST:
-            self.num_protocol_errors += 1
-            limit = self.config.max_protocol_errors
-            if self.num_protocol_errors > limit:
-                self.close(Error(ErrorCode.TOO_MANY_PROTOCOL_ERRORS.value,
-                                 f"more than {limit} malformed messages; last: {exc}",
-                                 limit="max_protocol_errors", fatal=True))
-                return True
-        await self.send(Error(exc.code.value, str(exc), stream=exc.stream))
-        return False
+    async def answer_health(self, ref: int) -> None:
+        """The router's Health."""
+        await self.send(self.router.health(ref))
 
-    async def _on_generate(self, message: Generate) -> None:
-        sid = message.stream
-        if sid in self.streams:
-            await self.send(Error(ErrorCode.DUPLICATE_STREAM.value,
-                                  f"stream {sid} is already live on this connection", stream=sid))
-            return
-        if len(self.streams) >= self.config.max_inflight_per_connection:
-            await self.send(Error(ErrorCode.TOO_MANY_REQUESTS.value,
-                                  f"this connection already has {len(self.streams)} live streams",
-                                  stream=sid, limit="max_inflight_per_connection"))
-            return
-        refusal = message.refusal(RequestLimits.from_welcome(self.router.welcome))
-        if refusal is not None:
-            await self.send(refusal)  # refused here, so it reaches no replica
-            return
+    def refuse_generate(self, message: Generate) -> Error | None:
+        """A request the replicas would refuse (their model's limits, from Welcome)
+        is refused here, so it reaches no replica."""
+        return message.refusal(RequestLimits.from_welcome(self.router.welcome))
+
+    async def open_stream(self, message: Generate) -> None:
+        """Place (or queue) the request now, so requests keep their arrival order."""
         request = self.router.make_request(message)
         try:
             self.router.submit(request)
         except _Refused as refused:
             await self.send(refused.frame)
             return
-        state = _RouterStream(sid, request=request)
-        self.streams[sid] = state
+        state = _RouterStream(message.stream, request=request)
         self.router.num_inflight += 1
-        self._streams_nursery.start_soon(self._run_stream, state, message)
+        self.add_stream(state, self._run_stream)
 
-    async def _on_abort(self, message: Abort) -> None:
-        state = self.streams.get(message.stream)
-        if state is None:
-            await self.send(Error(ErrorCode.UNKNOWN_STREAM.value,
-                                  f"no live stream {message.stream} on this connection",
-                                  stream=message.stream))
-            return
-        state.abort_requested = True
+    async def abort_stream(self, state: _RouterStream) -> None:
+        """Abort on the replica, or end a request still waiting for one here."""
         if state.remote is not None:
             await self._abort_remote(state.remote)
         elif state.request.replica is None:
-            state.scope.cancel()  # still waiting for a replica: end it here
+            state.scope.cancel()
 
     async def _abort_remote(self, remote: AsyncStream) -> None:
         try:
@@ -1032,8 +818,7 @@ class _RouterConnection:
             pass  # the relay sees the failure too and handles it
 
     # ---- one stream --------------------------------------------------------------
-    async def _run_stream(self, state: _RouterStream, message: Generate) -> None:
-        router = self.router
+    async def _run_stream(self, state: _RouterStream) -> None:
         request = state.request
         error: Error | None = None
         try:
@@ -1044,12 +829,8 @@ class _RouterConnection:
         except _Refused as refused:
             error = refused.frame
         finally:
-            router.withdraw(request)
-            del self.streams[state.stream]
-            router.num_inflight -= 1
-            if error is not None:
-                with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-                    await self.send(error)
+            self.router.withdraw(request)
+            self.end_stream(state, error)
 
     async def _place_and_forward(self, state: _RouterStream, request: RoutedRequest) -> Error | None:
         """Forward until a replica finishes the request; the Error to end it with, if any.
