@@ -364,7 +364,6 @@ class _ServerConnection(Connection):
             deadline_s=message.deadline_s, request_id=state.request_id, timeout_s=message.timeout_s,
             cache_salt=message.cache_salt)
         error: Error | None = None
-        relay = _Relay(metrics)
         try:
             with state.scope:
                 try:
@@ -375,13 +374,12 @@ class _ServerConnection(Connection):
                     error = Error(code.value, str(exc), stream=state.stream)
                     return
                 state.started = True
-                relay.arrival_s = trio.current_time()
                 if state.abort_requested:
                     await self.abort_stream(state)
                 num_prompt = self._num_prompt_tokens(state.request_id, message.prompt)
                 metrics.on_accepted(num_prompt)
                 await self.send(Accepted(state.stream, state.request_id, num_prompt))
-                await relay.run(self, state, request_stream)
+                await self._relay(state, request_stream)
             if state.shutdown:
                 error = Error(ErrorCode.SHUTDOWN.value,
                               "the server shut down before the request finished", stream=state.stream)
@@ -394,11 +392,21 @@ class _ServerConnection(Connection):
         finally:
             with trio.CancelScope(shield=True):
                 await request_stream.aclose()  # aborts the request unless it finished
-            if state.started and not relay.finished:
-                # Cut short (disconnect, eviction, shutdown): the engine counts an
-                # abort, and so do the metrics.
-                metrics.on_finished("abort", relay.arrival_s, trio.current_time())
             self.end_stream(state, error)
+
+    async def _relay(self, state: _StreamState, request_stream: RequestStream) -> None:
+        metrics = self.metrics
+        previous_s = None
+        async for out in request_stream:
+            if out.token_ids:
+                metrics.on_tokens(len(out.token_ids), out.first_token_s, out.arrival_s, previous_s,
+                                  out.now_s)
+                previous_s = out.now_s
+            if out.finish_reason is not None:
+                metrics.on_finished(out.finish_reason, out.arrival_s, out.now_s)
+            await self.send(Output(state.stream, out.token_ids, out.text, out.num_tokens,
+                                   out.finish_reason, out.detail, out.num_cached_tokens,
+                                   out.logprobs))
 
     def _num_prompt_tokens(self, request_id: str, prompt: str | list[int]) -> int:
         actor = self.server.engine.scheduler.actors.get(request_id)
@@ -408,34 +416,6 @@ class _ServerConnection(Connection):
             return len(prompt)
         tokenizer = self.server.engine.tokenizer
         return len(tokenizer.encode(prompt)) if tokenizer is not None else 0
-
-
-class _Relay:
-    """Relays one request's outputs to the client, keeping the metrics."""
-
-    __slots__ = ("metrics", "arrival_s", "finished")
-
-    def __init__(self, metrics: NullMetrics) -> None:
-        self.metrics = metrics
-        self.arrival_s = 0.0
-        self.finished = False
-
-    async def run(self, conn: Connection, state: _StreamState, request_stream: RequestStream) -> None:
-        """Send every output of `request_stream` as an Output frame of `state`'s stream."""
-        metrics = self.metrics
-        previous_s = None
-        async for out in request_stream:
-            self.arrival_s = out.arrival_s
-            if out.token_ids:
-                metrics.on_tokens(len(out.token_ids), out.first_token_s, out.arrival_s, previous_s,
-                                  out.now_s)
-                previous_s = out.now_s
-            if out.finish_reason is not None:
-                self.finished = True
-                metrics.on_finished(out.finish_reason, out.arrival_s, out.now_s)
-            await conn.send(Output(state.stream, out.token_ids, out.text, out.num_tokens,
-                                   out.finish_reason, out.detail, out.num_cached_tokens,
-                                   out.logprobs))
 
 
 # ---------------------------------------------------------------------------
