@@ -25,7 +25,8 @@ applied before the replicas see the requests.
 
 A replica that refuses connections, closes its connection, or fails a health
 check within `health_timeout_s` leaves the rotation and is reconnected every
-`reconnect_interval_s`. Its requests that had sent nothing to the client yet
+`reconnect_interval_s`; it rejoins only once it has answered "ok" for
+`rejoin_after_s`, so a replica that keeps failing stays out. Its requests that had sent nothing to the client yet
 are placed again elsewhere (at most `max_retries` times); those that had
 streamed output end with an `executor_error` Error frame saying the replica
 was lost.
@@ -138,6 +139,8 @@ class RouterConfig:
     health_interval_s, health_timeout_s: how often each replica is asked for
       its health, and how long it has to answer before it leaves the rotation.
     reconnect_interval_s: pause between attempts to reach a lost replica.
+    rejoin_after_s: a replica that left the rotation rejoins only after
+      answering every health check "ok" for this long (no flapping).
     replica_timeout_s: longest wait for any single frame of a forwarded stream.
     start_timeout_s: `open_router` waits this long for the replicas to answer.
     max_retries: placements after the first for a request whose replica was
@@ -163,6 +166,7 @@ class RouterConfig:
     health_interval_s: float = attrs.field(default=1.0, validator=positive)
     health_timeout_s: float = attrs.field(default=2.0, validator=positive)
     reconnect_interval_s: float = attrs.field(default=1.0, validator=positive)
+    rejoin_after_s: float = attrs.field(default=5.0, validator=_non_negative)
     replica_timeout_s: float = attrs.field(default=600.0, validator=positive)
     start_timeout_s: float = attrs.field(default=10.0, validator=positive)
     max_retries: int = attrs.field(default=2, validator=_non_negative)
@@ -309,6 +313,7 @@ class Replica:
     num_inflight_tokens: int = 0
     last_health: HealthReply | None = None
     num_failures: int = 0
+    last_state: str = ""
     down: trio.Event = attrs.Factory(trio.Event)
 
     @property
@@ -560,21 +565,48 @@ class Router(Front):
                                            timeout_s=config.replica_timeout_s,
                                            client_name=ROUTER_NAME) as client:
                         scope.deadline = math.inf
-                        self._replica_connected(replica, client)
-                        await self._watch_health(replica, client)
+                        if await self._on_probation(replica, client):
+                            self._replica_connected(replica, client)
+                            await self._watch_health(replica, client)
                 if scope.cancelled_caught:
                     _log.info("replica %s (%s): no handshake within %s s", replica.name,
                               replica.address, config.health_timeout_s)
             except (ConnectionClosedError, ClientTimeoutError, ServerError, OSError) as exc:
-                _log.info("replica %s (%s) unavailable: %s", replica.name, replica.address, exc)
+                self._log_state(replica, f"unavailable: {exc}")
             self.replica_failed(replica)
             await trio.sleep(config.reconnect_interval_s)
+
+    async def _on_probation(self, replica: Replica, client: AsyncClient) -> bool:
+        """Whether a newly connected replica may join the rotation: it must answer
+        "ok" to its first health check, and one that has left the rotation before
+        must go on answering "ok" for rejoin_after_s, so a replica that keeps
+        failing stays out instead of flapping in and out."""
+        config = self.config
+        until = trio.current_time() + (config.rejoin_after_s if replica.num_failures else 0.0)
+        while True:
+            reply = None
+            with trio.move_on_after(config.health_timeout_s):
+                reply = await client.health()
+            if reply is None or reply.status != "ok":
+                self._log_state(replica, "no health reply" if reply is None else reply.status)
+                return False
+            replica.last_health = reply
+            if trio.current_time() >= until:
+                return True
+            await trio.sleep(min(config.health_interval_s, max(0.0, until - trio.current_time())))
+
+    def _log_state(self, replica: Replica, state: str) -> None:
+        """Log why a replica is out of rotation, once per change of reason."""
+        if replica.last_state != state:
+            replica.last_state = state
+            _log.info("replica %s (%s) out of rotation: %s", replica.name, replica.address, state)
 
     def _replica_connected(self, replica: Replica, client: AsyncClient) -> None:
         replica.client, replica.welcome, replica.healthy = client, client.welcome, True
         replica.index.clear()
         if self.welcome is None:
             self._set_welcome(client.welcome)
+        replica.last_state = "ok"
         _log.info("replica %s (%s) in rotation", replica.name, replica.address)
         self._replica_up.set()
         self._dispatch()
@@ -586,11 +618,10 @@ class Router(Front):
             with trio.move_on_after(config.health_timeout_s):
                 reply = await client.health()
             if reply is None:
-                _log.info("replica %s: no health reply within %s s", replica.name,
-                          config.health_timeout_s)
+                self._log_state(replica, f"no health reply within {config.health_timeout_s} s")
                 return
             if reply.status != "ok":
-                _log.info("replica %s reports %s", replica.name, reply.status)
+                self._log_state(replica, reply.status)
                 return
             replica.last_health = reply
             if not replica.healthy:

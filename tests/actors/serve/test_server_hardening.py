@@ -125,3 +125,29 @@ async def test_health_answers_while_a_client_never_reads():
         await settled(server)
         await other.aclose()
         await hog.aclose()
+
+
+@pytest.mark.parametrize("sharing", ["tenant", "global"])
+async def test_a_tenant_cannot_probe_another_tenants_prompt_through_the_prefix_cache(sharing):
+    # The secret shares its first two blocks with a public preamble; a prober
+    # compares a right and a wrong guess of the rest (each from a tenant of its
+    # own, so neither probe is helped by the other).
+    preamble, secret, wrong = [5] * 32, list(range(40, 136)), list(range(140, 236))
+    engine = engine_config(block_size=16, prefix_cache_sharing=sharing)
+    async with open_server(engine, server_config()) as server:
+        async with open_client(server.tcp_address, timeout_s=WAIT_S) as client:
+
+            async def cached(prompt: list[int], tenant: str) -> int:
+                stream = await client.generate(prompt, max_tokens=1, tenant=tenant)
+                return (await stream.collect()).num_cached_tokens
+
+            await cached(preamble + secret, "victim")
+            right_guess = await cached(preamble + secret, "prober-1")
+            wrong_guess = await cached(preamble + wrong, "prober-2")
+            victim_again = await cached(preamble + secret, "victim")
+        await settled(server)
+    assert victim_again == 112  # a tenant still shares with itself
+    if sharing == "tenant":
+        assert right_guess == wrong_guess == 0
+    else:
+        assert (right_guess, wrong_guess) == (112, 32)
