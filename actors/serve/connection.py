@@ -289,6 +289,7 @@ class Front:
         self._reserve_fd: int | None = None
         self._at_capacity = False
         self._last_trim_s = -math.inf
+        self._trim_pending = False
 
     # ---- what subclasses provide -------------------------------------------------
     def make_connection(self, stream: trio.SocketStream, conn_id: int) -> Connection:
@@ -493,13 +494,19 @@ class Front:
         self._trim_heap()
 
     def _trim_heap(self) -> None:
-        """Give freed heap pages back to the system (rate-limited): the frames of
-        a connection that left are large and short-lived, and without this the
-        allocator keeps their pages, so resident memory stays at its peak."""
+        """Give freed heap pages back to the system: the frames of a connection
+        that left are large and short-lived, and without this the allocator keeps
+        their pages, so resident memory stays at its peak. At most once per
+        _TRIM_INTERVAL_S; a trim skipped for that is done by the watchdog later."""
+        if _malloc_trim is None:
+            return
         now = trio.current_time()
-        if _malloc_trim is not None and now - self._last_trim_s >= _TRIM_INTERVAL_S:
+        if now - self._last_trim_s >= _TRIM_INTERVAL_S:
             self._last_trim_s = now
+            self._trim_pending = False
             _malloc_trim(0)
+        else:
+            self._trim_pending = True
 
     async def wait_connections_gone(self) -> None:
         """Wait until no connection is open."""
@@ -516,12 +523,15 @@ class Front:
     async def watch_sends(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Evict connections whose current write has made no progress for
         send_timeout_s (checked a few times per timeout, so one watchdog serves
-        every connection and a write costs no timer of its own)."""
+        every connection and a write costs no timer of its own). It also does
+        the heap trims that `unregister` put off."""
         timeout = self.config.send_timeout_s
         with trio.CancelScope() as scope:
             task_status.started(scope)
             while True:
-                await trio.sleep(timeout / _WATCHDOG_CHECKS)
+                await trio.sleep(min(timeout / _WATCHDOG_CHECKS, _TRIM_INTERVAL_S))
+                if self._trim_pending:
+                    self._trim_heap()
                 now = trio.current_time()
                 for conn in list(self.connections.values()):
                     started = conn.send_started_s
