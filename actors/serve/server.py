@@ -3,15 +3,16 @@
     async with open_server(EngineConfig(), ServerConfig(port=0)) as server:
         print(server.tcp_address)     # ('127.0.0.1', 43211)
 
-PROTOCOL.md is the contract. Per connection there are three kinds of task:
-the reader (handshake, then one frame at a time), one task per live stream
-(it iterates the engine's `RequestStream` and queues Output frames), and the
-writer (the only task that writes to the socket).
+PROTOCOL.md is the contract. The connection machinery (listening, accepting,
+handshake, bad messages, limits, the outbox and its writer, the watchdog) is
+the core in `connection.py`, shared with the router; what is the server's own
+is where a Generate goes: one task per live stream iterates the engine's
+`RequestStream` and queues Output frames.
 
 Why a slow client cannot stall anything else: the request actor coalesces a
 stream's deltas while its consumer waits, so a stream task blocked on a full
 output queue costs the engine nothing; the queue is bounded
-(`output_queue_frames`); and a socket write that makes no progress for
+(`output_queue_frames`, `output_queue_bytes`); and a socket write that makes no progress for
 `send_timeout_s` closes the connection, which aborts its requests. Closing a
 connection, for whatever reason, cancels its stream tasks in one go, and each
 cancelled stream aborts its request synchronously, so all of a connection's
@@ -20,7 +21,7 @@ requests are aborted before the scheduler plans its next step.
 Shutdown drains: listeners close at once, new requests are refused with
 `shutdown`, running ones get `shutdown_grace_s` to finish, the rest end with
 an Error frame `shutdown`, and every connection is closed with a fatal
-`shutdown` Error.
+`shutdown` Error. `abort_now()` (a second signal) closes everything at once.
 """
 
 from __future__ import annotations
