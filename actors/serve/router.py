@@ -95,6 +95,8 @@ _REPLICA_DOWN_CODES = frozenset({ErrorCode.ENGINE_CLOSED.value, ErrorCode.SHUTDO
 # Stats keys that are ratios or gauges, not counters: never summed across replicas.
 _AVERAGED_STATS = frozenset({"avg_batch_size", "kv_usage", "avg_wait_s", "prefix_hit_rate",
                              "tokens_per_s", "requests_per_s", "elapsed_s"})
+# Stats queries one connection may have in flight at once (each asks every replica).
+_STATS_QUERIES_PER_CONNECTION = 4
 # Admissions remembered in `Router.recent_admissions`.
 _ADMISSION_LOG = 1024
 
@@ -806,13 +808,19 @@ class _RouterConnection(Connection):
     def __init__(self, router: Router, stream: trio.SocketStream, conn_id: int) -> None:
         super().__init__(router, stream, conn_id)
         self.router = router
+        self._stats_slots = trio.Semaphore(_STATS_QUERIES_PER_CONNECTION)
 
     async def answer_stats(self, ref: int) -> None:
-        """Every replica's Stats, gathered in a task of its own."""
+        """Every replica's Stats, gathered in a task of its own (a few at once per
+        connection: beyond that the reader waits, so queries cannot pile up)."""
+        await self._stats_slots.acquire()
         self.streams_nursery.start_soon(self._answer_stats, ref)
 
     async def _answer_stats(self, ref: int) -> None:
-        await self.send(await self.router.stats(ref))
+        try:
+            await self.send(await self.router.stats(ref))
+        finally:
+            self._stats_slots.release()
 
     async def answer_health(self, ref: int) -> None:
         """The router's Health."""

@@ -28,7 +28,7 @@ from cadence.actors.serve.router import (
 from cadence.actors.serve.server import open_server
 from cadence.actors.wire import (
     Abort, ConnectionClosedError, Accepted, AuthenticationError, Error, Generate, Output, RemoteExecutorError,
-    RemoteInvalidRequestError, RemoteQueueFullError, SamplingParams,
+    RemoteInvalidRequestError, RemoteQueueFullError, SamplingParams, StatsQuery,
 )
 from cadence.statemachine.errors import ConfigError
 
@@ -431,3 +431,25 @@ async def test_a_replica_reporting_closed_stays_out_until_healthy_for_a_while():
             await wait_until(lambda: router.replicas[1].healthy, what="replica back in rotation")
             assert trio.current_time() - healthy_again_s >= config.rejoin_after_s
             assert router.num_replica_failures == 1
+
+
+async def test_stats_queries_cannot_pile_up_while_the_replicas_are_slow_to_answer():
+    async with replicas(1) as servers, open_router(router_config(servers)) as router:
+        answer = trio.Event()
+        real_stats = router.stats
+
+        async def slow_stats(ref):
+            await answer.wait()
+            return await real_stats(ref)
+
+        router.stats = slow_stats
+        conn = await RawConnection.greeted(router)
+        for ref in range(200):
+            await conn.send(StatsQuery(ref))
+        (client_conn,) = router.connections.values()
+        await trio.sleep(0.2)  # time for the reader to take every frame it may
+        assert len(client_conn.streams_nursery.child_tasks) <= 4
+        answer.set()
+        replies = [await conn.receive() for _ in range(200)]
+        assert sorted(r.ref for r in replies) == list(range(200))
+        await conn.aclose()
