@@ -3,7 +3,7 @@ inter-token latency of `--clients` well-behaved clients, alone and next to
 `--abusers` abusive ones (in a process of their own). One JSON line per scenario, then one with the ratios
 (with / without); the target is a ratio of at most 1.5.
 
-    python benchmarks/noisy_neighbour.py [--clients 8] [--abusers 4] [--requests 6]
+    python benchmarks/noisy_neighbour.py [--clients 8] [--abusers 4] [--requests 16]
 
 The server is `cadence serve` in a child process with the simulated executor,
 each step taking `--step-us` whatever its batch, so a slower token can only
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--abusers", type=int, default=4)
-    parser.add_argument("--requests", type=int, default=6, help="per well-behaved client")
+    parser.add_argument("--requests", type=int, default=16, help="per well-behaved client")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--step-us", type=float, default=2000.0, help="simulated step time")
     parser.add_argument("--stop-strings", type=int, default=16)
