@@ -44,6 +44,7 @@ from typing import Any, AsyncIterator, Protocol, Sequence, Union, runtime_checka
 import attrs
 import trio
 
+from cadence.statemachine.config import PREFIX_CACHE_SHARING, CacheConfig
 from cadence.statemachine.errors import ConfigError
 
 from ..client import AsyncClient, AsyncStream, open_client, parse_address
@@ -108,6 +109,12 @@ def _non_negative(instance, attribute, value) -> None:
         raise ConfigError(f"{attribute.name} must be >= 0, got {value!r}")
 
 
+def _sharing(instance, attribute, value) -> None:
+    if value not in PREFIX_CACHE_SHARING:
+        raise ConfigError(f"{attribute.name} must be one of {', '.join(PREFIX_CACHE_SHARING)}, "
+                          f"got {value!r}")
+
+
 def _addresses(value) -> tuple:
     """One address or several, as a tuple of addresses (each checked)."""
     single = isinstance(value, str) or (
@@ -138,6 +145,8 @@ class RouterConfig:
     block_size: tokens per index block (None: the replicas' KV block size).
     index_blocks_per_replica: LRU bound of each replica's prefix index.
     tokenizer: encodes text prompts for the index (None: hash UTF-8 bytes).
+    prefix_cache_sharing: the replicas' setting ("tenant" or "global"), so the
+      index shares blocks exactly where the replicas' caches do.
     health_interval_s, health_timeout_s: how often each replica is asked for
       its health, and how long it has to answer before it leaves the rotation.
     reconnect_interval_s: pause between attempts to reach a lost replica.
@@ -165,6 +174,7 @@ class RouterConfig:
     block_size: int | None = attrs.field(default=None, validator=positive)
     index_blocks_per_replica: int = attrs.field(default=1 << 16, validator=positive)
     tokenizer: Any = None
+    prefix_cache_sharing: str = attrs.field(default="tenant", validator=_sharing)
     health_interval_s: float = attrs.field(default=1.0, validator=positive)
     health_timeout_s: float = attrs.field(default=2.0, validator=positive)
     reconnect_interval_s: float = attrs.field(default=1.0, validator=positive)
@@ -488,6 +498,7 @@ class Router(Front):
     def __init__(self, config: RouterConfig) -> None:
         super().__init__(config)
         self.policy = make_policy(config.policy)
+        self._cache = CacheConfig(prefix_cache_sharing=config.prefix_cache_sharing)
         self.replicas = [Replica(i, address, PrefixIndex(config.index_blocks_per_replica))
                          for i, address in enumerate(config.replicas)]
         self.queue = AdmissionQueue()
@@ -655,8 +666,8 @@ class Router(Front):
     # ---- placement ---------------------------------------------------------------
     def make_request(self, message: Generate) -> RoutedRequest:
         """The routed form of a Generate: block keys and outstanding-work estimate."""
-        keys = prompt_block_keys(message.prompt, self.block_size, message.cache_salt,
-                                 self.config.tokenizer)
+        salt = self._cache.block_salt(message.tenant, message.cache_salt)
+        keys = prompt_block_keys(message.prompt, self.block_size, salt, self.config.tokenizer)
         prompt = message.prompt
         num_prompt = len(prompt) if not isinstance(prompt, str) else len(prompt) // TEXT_BYTES_PER_TOKEN
         self._num_requests += 1
@@ -827,8 +838,13 @@ class _RouterConnection(Connection):
         await self.send(self.router.health(ref))
 
     def refuse_generate(self, message: Generate) -> Error | None:
-        """A request the replicas would refuse (their model's limits, from Welcome)
-        is refused here, so it reaches no replica."""
+        """A conversation (`messages`) is rendered by a server, and the router does
+        not forward it; a request the replicas would refuse (their model's limits,
+        from Welcome) is refused here, so it reaches no replica."""
+        if message.messages is not None:
+            return Error(ErrorCode.INVALID_REQUEST.value,
+                         "the router forwards prompts only; send the conversation to a server, "
+                         "or render it into a prompt", stream=message.stream)
         return message.refusal(RequestLimits.from_welcome(self.router.welcome))
 
     async def open_stream(self, message: Generate) -> None:

@@ -453,3 +453,19 @@ async def test_stats_queries_cannot_pile_up_while_the_replicas_are_slow_to_answe
         replies = [await conn.receive() for _ in range(200)]
         assert sorted(r.ref for r in replies) == list(range(200))
         await conn.aclose()
+
+
+async def test_the_router_refuses_a_conversation_on_its_stream_and_keys_blocks_by_tenant():
+    async with replicas(1) as servers, open_router(router_config(servers)) as router:
+        conn = await RawConnection.greeted(router)
+        await conn.send(Generate(3, None, SamplingParams(max_tokens=2),
+                                 messages=[{"role": "user", "content": "hi"}]))
+        reply = await conn.receive()
+        assert (type(reply), reply.code, reply.stream) == (Error, "invalid_request", 3)
+        await conn.aclose()
+        prompt = [1] * (4 * BLOCK)
+        keys = {tenant: router.make_request(Generate(0, prompt, tenant=tenant)).keys
+                for tenant in ("a", "b")}
+        assert keys["a"] != keys["b"] and len(keys["a"]) == 4
+    with pytest.raises(ConfigError, match="prefix_cache_sharing"):
+        router_config(servers, prefix_cache_sharing="everyone")
