@@ -514,29 +514,37 @@ class Router(Front):
 
     # ---- lifecycle ---------------------------------------------------------------
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Connect to the replicas, listen, and serve until `shutdown()`."""
-        listeners: list[trio.SocketListener] = []
+        """Connect to the replicas, listen, and serve until `shutdown()`. Raises
+        ConnectionClosedError (a bare one, not in a group) if no replica answers."""
+        listeners = await self.open_listeners()
+        answered = True
         try:
             async with trio.open_nursery() as nursery:
                 for replica in self.replicas:
                     nursery.start_soon(self._supervise, replica)
-                await self._wait_for_replicas()
-                listeners = await self.open_listeners()
-                nursery.start_soon(self.accept, listeners, nursery)
-                nursery.start_soon(self.watch_sends)
-                task_status.started(self)
-                await self._stop.wait()
-                self.draining = True
-                self.stop_accepting()
-                for conn in list(self.connections.values()):
-                    conn.close(Error(ErrorCode.SHUTDOWN.value, "the router is shutting down",
-                                     fatal=True), "shutdown")
-                with trio.move_on_after(self.config.handshake_timeout_s):
-                    await self.wait_connections_gone()
+                answered = await self._wait_for_replicas()
+                if answered:
+                    nursery.start_soon(self.accept, listeners, nursery)
+                    nursery.start_soon(self.watch_sends)
+                    task_status.started(self)
+                    await self._serve_until_stopped()
                 nursery.cancel_scope.cancel()
         finally:
             await self.close_listeners(listeners)
             self._stopped.set()
+        if not answered:
+            raise ConnectionClosedError(f"no replica answered within {self.config.start_timeout_s} s: "
+                                        f"{', '.join(map(str, self.config.replicas))}")
+
+    async def _serve_until_stopped(self) -> None:
+        await self._stop.wait()
+        self.draining = True
+        self.stop_accepting()
+        for conn in list(self.connections.values()):
+            conn.close(Error(ErrorCode.SHUTDOWN.value, "the router is shutting down", fatal=True),
+                       "shutdown")
+        with trio.move_on_after(self.config.handshake_timeout_s):
+            await self.wait_connections_gone()
 
     def shutdown(self) -> None:
         """Close every client connection (live streams get a fatal `shutdown`) and stop."""
@@ -546,15 +554,13 @@ class Router(Front):
         """Wait until `serve` has returned."""
         await self._stopped.wait()
 
-    async def _wait_for_replicas(self) -> None:
-        timeout = self.config.start_timeout_s
-        with trio.move_on_after(timeout):
+    async def _wait_for_replicas(self) -> bool:
+        """Whether some replica answered within start_timeout_s (all of them: sooner)."""
+        with trio.move_on_after(self.config.start_timeout_s):
             while not all(r.welcome is not None for r in self.replicas):
                 self._replica_up = trio.Event()
                 await self._replica_up.wait()
-        if self.welcome is None:
-            raise ConnectionClosedError(f"no replica answered within {timeout} s: "
-                                        f"{', '.join(map(str, self.config.replicas))}")
+        return self.welcome is not None
 
     def make_connection(self, stream: trio.SocketStream, conn_id: int) -> _RouterConnection:
         """A connection whose requests go to the replicas."""
@@ -975,11 +981,18 @@ async def open_router(config: RouterConfig) -> AsyncIterator[Router]:
     """Run a router for the duration of an `async with` block (it is listening
     and the replicas have answered when the block starts)."""
     router = Router(config)
+    failure = None
     async with trio.open_nursery() as nursery:
-        await nursery.start(router.serve)
         try:
-            yield router
-        finally:
-            router.shutdown()
-            with trio.CancelScope(shield=True):
-                await router.wait_stopped()
+            await nursery.start(router.serve)
+        except (ConnectionClosedError, ConfigError, OSError) as exc:
+            failure = exc  # raised below, outside the nursery, so never in a group
+        else:
+            try:
+                yield router
+            finally:
+                router.shutdown()
+                with trio.CancelScope(shield=True):
+                    await router.wait_stopped()
+    if failure is not None:
+        raise failure
