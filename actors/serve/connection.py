@@ -32,6 +32,7 @@ import os
 import socket
 import stat
 from collections import deque
+from contextlib import contextmanager
 
 import attrs
 import trio
@@ -45,6 +46,7 @@ from ..wire import (
 from .metrics import NullMetrics
 
 __all__ = ["Front", "Connection", "StreamState", "Outbox", "Fatal", "fatal", "refuse", "tokens_match",
+           "bare_errors",
            "positive", "port_number", "DEFAULT_OUTPUT_QUEUE_BYTES"]
 
 _log = logging.getLogger("cadence.connection")
@@ -160,6 +162,22 @@ def _refuse_now(sock: socket.socket, frame: bytes) -> None:
     except OSError:
         pass
     sock.close()
+
+
+@contextmanager
+def bare_errors():
+    """At an API edge: an exception group holding one exception (as nurseries
+    raise them under trio >= 0.25) is re-raised as that exception, so callers
+    catch `ConfigError` or `OSError` on any Trio version."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        leaf: BaseException = group
+        while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
+            leaf = leaf.exceptions[0]
+        if isinstance(leaf, BaseExceptionGroup):
+            raise
+        raise leaf from leaf.__cause__  # its own cause, not the group around it
 
 
 def tokens_match(given: str | None, expected: str) -> bool:

@@ -55,7 +55,7 @@ from ..wire import (
     ErrorCode, Generate, HealthReply, Output, ServerError, StatsReply, Welcome, encode, pack_frame,
 )
 from .connection import (
-    DEFAULT_OUTPUT_QUEUE_BYTES, Connection, Front, StreamState, port_number, positive,
+    DEFAULT_OUTPUT_QUEUE_BYTES, Connection, Front, StreamState, bare_errors, port_number, positive,
 )
 
 __all__ = [
@@ -981,18 +981,12 @@ async def open_router(config: RouterConfig) -> AsyncIterator[Router]:
     """Run a router for the duration of an `async with` block (it is listening
     and the replicas have answered when the block starts)."""
     router = Router(config)
-    failure = None
-    async with trio.open_nursery() as nursery:
-        try:
+    with bare_errors():
+        async with trio.open_nursery() as nursery:
             await nursery.start(router.serve)
-        except (ConnectionClosedError, ConfigError, OSError) as exc:
-            failure = exc  # raised below, outside the nursery, so never in a group
-        else:
             try:
                 yield router
             finally:
                 router.shutdown()
                 with trio.CancelScope(shield=True):
                     await router.wait_stopped()
-    if failure is not None:
-        raise failure

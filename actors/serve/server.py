@@ -54,7 +54,7 @@ from ..wire import (
     HealthReply, Output, StatsReply, Welcome, encode, pack_frame,
 )
 from .connection import (
-    DEFAULT_OUTPUT_QUEUE_BYTES, Connection, Front, port_number, positive, tokens_match,
+    DEFAULT_OUTPUT_QUEUE_BYTES, Connection, Front, bare_errors, port_number, positive, tokens_match,
 )
 from .metrics import NullMetrics, ServerMetrics, serve_metrics
 
@@ -439,25 +439,27 @@ async def open_server(engine_config: EngineConfig | None = None,
     if metrics is None:
         metrics = server_config.metrics_port is not None or http is not None
     recorder = ServerMetrics() if metrics else NullMetrics()
-    async with open_engine(engine_config, on_step=recorder.on_step if metrics else None) as engine:
-        recorder.bind(engine)
-        server = Server(engine, server_config, recorder)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(server.serve)
-            if http is not None:
-                from .http import serve_http  # it builds on this module
+    with bare_errors():
+        async with open_engine(engine_config, on_step=recorder.on_step if metrics else None) as engine:
+            recorder.bind(engine)
+            server = Server(engine, server_config, recorder)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(server.serve)
+                if http is not None:
+                    from .http import serve_http  # it builds on this module
 
-                server.http = await nursery.start(serve_http, server, http)
-            if metrics and server_config.metrics_port is not None:
-                server.metrics_address = await nursery.start(
-                    serve_metrics, recorder, server_config.metrics_host, server_config.metrics_port)
-            try:
-                yield server
-            finally:
-                server.shutdown(0.0)
-                with trio.CancelScope(shield=True):
-                    await server.wait_stopped()
-                nursery.cancel_scope.cancel()
+                    server.http = await nursery.start(serve_http, server, http)
+                if metrics and server_config.metrics_port is not None:
+                    server.metrics_address = await nursery.start(
+                        serve_metrics, recorder, server_config.metrics_host,
+                        server_config.metrics_port)
+                try:
+                    yield server
+                finally:
+                    server.shutdown(0.0)
+                    with trio.CancelScope(shield=True):
+                        await server.wait_stopped()
+                    nursery.cancel_scope.cancel()
 
 
 class ServerThread:
