@@ -400,7 +400,7 @@ class Engine:
         request = Request(
             request_id, token_ids, params.limits(self.eos_token_ids), priority=priority,
             tenant=tenant, deadline_s=None if deadline_s is None else now + deadline_s,
-            arrival_s=now, cache_salt=cache_salt)
+            arrival_s=now, cache_salt=self.config.cache.block_salt(tenant, cache_salt))
         assembler = None
         if self.tokenizer is not None:
             assembler = TextAssembler(self.tokenizer, token_ids,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from cadence.statemachine.config import POLICY_NAMES, SchedulerConfig
+from cadence.statemachine.config import POLICY_NAMES, PREFIX_CACHE_SHARING, SchedulerConfig
 from cadence.statemachine.errors import ConfigError
 
 from .engine import EXECUTOR_KINDS, EngineConfig
@@ -35,6 +35,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--policy", default="fcfs",
                        help=f"scheduling policy: {', '.join(POLICY_NAMES)} (default: fcfs)")
     group.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    group.add_argument("--prefix-cache-sharing", choices=PREFIX_CACHE_SHARING, default="tenant",
+                       help="share cached prompt blocks only within a tenant (default), or among "
+                            "all tenants (global: faster for common prompts, but a tenant can "
+                            "learn from cache hits what others sent)")
     group.add_argument("--seed", type=int, default=0, help="executor seed")
     group.add_argument("--max-stop-strings", type=int, default=DEFAULT_MAX_STOP_STRINGS,
                        help="stop strings one request may carry "
@@ -109,6 +113,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_blocks=args.num_blocks, block_size=args.block_size, policy=args.policy,
         enable_prefix_caching=not args.no_prefix_caching,
         max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
+        prefix_cache_sharing=args.prefix_cache_sharing,
         executor_options=_tp_options(args))
 
 

@@ -291,9 +291,14 @@ class Generate:
     def from_wire(cls, payload: object) -> Generate:
         """Validate a payload map and build the message; raises MessageError
         (with `.stream` set once the stream id is known)."""
-        m = _fields(payload, "Generate", cls._REQUIRED, cls._OPTIONAL)
-        stream = _int(m["stream"], "Generate.stream", 0, MAX_ID)
+        # The stream id is read first, so that any later defect (a missing,
+        # unknown or mistyped field) is answered on that stream.
+        mapping = _dict(payload, "Generate")
+        if "stream" not in mapping:
+            raise MessageError("Generate: missing field 'stream'")
+        stream = _int(mapping["stream"], "Generate.stream", 0, MAX_ID)
         try:
+            m = _fields(mapping, "Generate", cls._REQUIRED, cls._OPTIONAL)
             prompt, messages = m.get("prompt"), m.get("messages")
             if (prompt is None) == (messages is None):
                 raise MessageError("Generate needs exactly one of prompt and messages")

@@ -6,6 +6,8 @@ import attrs
 
 from .errors import ConfigError
 
+# How far cached prefix blocks are shared: within a tenant, or among everyone.
+PREFIX_CACHE_SHARING = ("tenant", "global")
 POLICY_NAMES = ("fcfs", "priority", "strict-priority", "deadline", "fair", "weighted")
 
 
@@ -13,6 +15,13 @@ def _at_least(minimum: float):
     def check(instance, attribute, value) -> None:
         if value < minimum:
             raise ConfigError(f"{attribute.name} must be >= {minimum}, got {value!r}")
+    return check
+
+
+def _one_of(name: str, choices: tuple[str, ...]):
+    def check(instance, attribute, value) -> None:
+        if value not in choices:
+            raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
     return check
 
 
@@ -43,12 +52,27 @@ class CacheConfig:
     enable_prefix_caching: reuse full blocks whose chained hash is already cached.
     retain_preempted_blocks: a preempted request's cached blocks are evicted only
       after every other evictable block, so it finds them when it resumes.
+    prefix_cache_sharing: "tenant" (default): cached blocks are shared only among
+      requests of one tenant, so no tenant learns anything about another's
+      prompts from cache hits or timing; "global": shared by every request with
+      the same cache salt.
     """
 
     num_blocks: int = attrs.field(default=8192, validator=_at_least(1))
     block_size: int = attrs.field(default=16, validator=_at_least(1))
     enable_prefix_caching: bool = True
     retain_preempted_blocks: bool = True
+    prefix_cache_sharing: str = attrs.field(
+        default="tenant", validator=_one_of("prefix_cache_sharing", PREFIX_CACHE_SHARING))
+
+    def block_salt(self, tenant: str, cache_salt: str | None) -> str | None:
+        """The salt of a request's block keys: its cache salt, and under
+        "tenant" sharing its tenant too (length-prefixed, so no tenant and salt
+        pair can spell another's)."""
+        if self.prefix_cache_sharing == "global":
+            return cache_salt
+        tail = "" if cache_salt is None else f"s{cache_salt}"
+        return f"t{len(tenant)}:{tenant}{tail}"
 
 
 @attrs.frozen

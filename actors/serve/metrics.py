@@ -123,9 +123,6 @@ class ServerMetrics(NullMetrics):
             "cadence_prompt_tokens", "Prompt tokens of accepted requests.", registry=registry)
         self.generation_tokens = Counter(
             "cadence_generation_tokens", "Generated tokens streamed to clients.", registry=registry)
-        self.requests_finished = Counter(
-            "cadence_requests_finished", "Requests whose stream ended, by finish reason.",
-            ["reason"], registry=registry)
         self.requests_rejected = Counter(
             "cadence_requests_rejected", "Generate requests refused before acceptance, by error code.",
             ["code"], registry=registry)
@@ -196,8 +193,8 @@ class ServerMetrics(NullMetrics):
             self.itl.observe(gap)
 
     def on_finished(self, reason: str, arrival_s: float, now_s: float) -> None:
-        """Count a finished stream and its end-to-end latency."""
-        self.requests_finished.labels(reason=reason).inc()
+        """Observe the end-to-end latency of a stream that ran to its last output
+        (finishes are counted by the core, see `_CoreCollector`)."""
         self.e2e.observe(max(0.0, now_s - arrival_s))
 
     def on_rejected(self, code: str) -> None:
@@ -250,6 +247,14 @@ class _CoreCollector:
                                 value=blocks.usage)
         yield CounterMetricFamily("cadence_preemptions", "Running requests preempted (recomputed later).",
                                   value=core.collector.num_preemptions)
+        # Read from the core, so that every finish counts, the requests cut short
+        # by a disconnect too, and the figures are the ones Stats reports.
+        finished = CounterMetricFamily("cadence_requests_finished",
+                                       "Requests finished in the engine, by finish reason.",
+                                       labels=["reason"])
+        for reason, count in sorted(core.collector.completed_by_reason.items()):
+            finished.add_metric([reason], count)
+        yield finished
         yield CounterMetricFamily("cadence_prefix_cache_query_tokens",
                                   "Prompt tokens looked up in the prefix cache.",
                                   value=blocks.num_query_tokens)

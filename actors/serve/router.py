@@ -25,7 +25,8 @@ applied before the replicas see the requests.
 
 A replica that refuses connections, closes its connection, or fails a health
 check within `health_timeout_s` leaves the rotation and is reconnected every
-`reconnect_interval_s`. Its requests that had sent nothing to the client yet
+`reconnect_interval_s`; it rejoins only once it has answered "ok" for
+`rejoin_after_s`, so a replica that keeps failing stays out. Its requests that had sent nothing to the client yet
 are placed again elsewhere (at most `max_retries` times); those that had
 streamed output end with an `executor_error` Error frame saying the replica
 was lost.
@@ -34,12 +35,8 @@ was lost.
 from __future__ import annotations
 
 import bisect
-import hmac
 import logging
 import math
-import os
-import socket
-import stat
 from collections import OrderedDict, deque
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Protocol, Sequence, Union, runtime_checkable
@@ -47,16 +44,18 @@ from typing import Any, AsyncIterator, Protocol, Sequence, Union, runtime_checka
 import attrs
 import trio
 
+from cadence.statemachine.config import PREFIX_CACHE_SHARING, CacheConfig
 from cadence.statemachine.errors import ConfigError
 
 from ..client import AsyncClient, AsyncStream, open_client, parse_address
 from ..framing import MAX_FRAME_BYTES
 from ..validation import RequestLimits
 from ..wire import (
-    DEFAULT_MAX_REQUEST_FRAME_BYTES, Abort, Accepted, ClientTimeoutError, ConnectionClosedError,
-    Error, ErrorCode, FrameBuffer, FrameTooLargeError, Generate, HealthQuery, HealthReply, Hello,
-    MessageError, Output, ServerError, StatsQuery, StatsReply, Welcome, decode_request, encode,
-    pack_frame,
+    DEFAULT_MAX_REQUEST_FRAME_BYTES, Accepted, ClientTimeoutError, ConnectionClosedError, Error,
+    ErrorCode, Generate, HealthReply, Output, ServerError, StatsReply, Welcome, encode, pack_frame,
+)
+from .connection import (
+    DEFAULT_OUTPUT_QUEUE_BYTES, Connection, Front, StreamState, bare_errors, port_number, positive,
 )
 
 __all__ = [
@@ -85,7 +84,6 @@ ROUTER_NAME = "cadence-router/0.1"
 # size times this, a typical bytes-per-token ratio, so a text block covers
 # roughly what one KV block holds.
 TEXT_BYTES_PER_TOKEN = 4
-_READ_BYTES = 1 << 16
 # Error codes after which a request that has produced no output is placed
 # again: the replica could not take it, through no fault of the request (an
 # Error flagged `poison` says the request was the fault, and is never retried).
@@ -98,22 +96,23 @@ _REPLICA_DOWN_CODES = frozenset({ErrorCode.ENGINE_CLOSED.value, ErrorCode.SHUTDO
 # Stats keys that are ratios or gauges, not counters: never summed across replicas.
 _AVERAGED_STATS = frozenset({"avg_batch_size", "kv_usage", "avg_wait_s", "prefix_hit_rate",
                              "tokens_per_s", "requests_per_s", "elapsed_s"})
-# Most seconds a closing connection spends writing what is still queued for it.
-_DRAIN_S = 5.0
+# Stats queries one connection may have in flight at once (each asks every replica).
+_STATS_QUERIES_PER_CONNECTION = 4
 # Admissions remembered in `Router.recent_admissions`.
 _ADMISSION_LOG = 1024
 
 Address = Union[str, tuple]
 
 
-def _positive(instance, attribute, value) -> None:
-    if value is not None and not value > 0:
-        raise ConfigError(f"{attribute.name} must be > 0, got {value!r}")
-
-
 def _non_negative(instance, attribute, value) -> None:
     if value < 0:
         raise ConfigError(f"{attribute.name} must be >= 0, got {value!r}")
+
+
+def _sharing(instance, attribute, value) -> None:
+    if value not in PREFIX_CACHE_SHARING:
+        raise ConfigError(f"{attribute.name} must be one of {', '.join(PREFIX_CACHE_SHARING)}, "
+                          f"got {value!r}")
 
 
 def _addresses(value) -> tuple:
@@ -146,42 +145,52 @@ class RouterConfig:
     block_size: tokens per index block (None: the replicas' KV block size).
     index_blocks_per_replica: LRU bound of each replica's prefix index.
     tokenizer: encodes text prompts for the index (None: hash UTF-8 bytes).
+    prefix_cache_sharing: the replicas' setting ("tenant" or "global"), so the
+      index shares blocks exactly where the replicas' caches do.
     health_interval_s, health_timeout_s: how often each replica is asked for
       its health, and how long it has to answer before it leaves the rotation.
     reconnect_interval_s: pause between attempts to reach a lost replica.
+    rejoin_after_s: a replica that left the rotation rejoins only after
+      answering every health check "ok" for this long (no flapping).
     replica_timeout_s: longest wait for any single frame of a forwarded stream.
     start_timeout_s: `open_router` waits this long for the replicas to answer.
     max_retries: placements after the first for a request whose replica was
       lost before it produced output.
     max_frame_bytes, max_connections, max_inflight_per_connection,
-    max_protocol_errors, handshake_timeout_s, output_queue_frames: the
-      client-side limits, with the server's meaning.
+    max_protocol_errors, idle_timeout_s, handshake_timeout_s, send_timeout_s,
+    output_queue_frames, output_queue_bytes: the client-side limits, with the
+      server's meaning (no idle timeout by default).
     """
 
     replicas: tuple = attrs.field(converter=_addresses)
     host: str = "127.0.0.1"
-    port: int | None = DEFAULT_ROUTER_PORT
+    port: int | None = attrs.field(default=DEFAULT_ROUTER_PORT, validator=port_number)
     unix_path: str | None = None
     token: str | None = attrs.field(default=None, repr=False)
     replica_token: str | None = attrs.field(default=None, repr=False)
     policy: Any = "prefix"
-    max_inflight_per_replica: int = attrs.field(default=64, validator=_positive)
-    max_queued: int = attrs.field(default=4096, validator=_positive)
-    block_size: int | None = attrs.field(default=None, validator=_positive)
-    index_blocks_per_replica: int = attrs.field(default=1 << 16, validator=_positive)
+    max_inflight_per_replica: int = attrs.field(default=64, validator=positive)
+    max_queued: int = attrs.field(default=4096, validator=positive)
+    block_size: int | None = attrs.field(default=None, validator=positive)
+    index_blocks_per_replica: int = attrs.field(default=1 << 16, validator=positive)
     tokenizer: Any = None
-    health_interval_s: float = attrs.field(default=1.0, validator=_positive)
-    health_timeout_s: float = attrs.field(default=2.0, validator=_positive)
-    reconnect_interval_s: float = attrs.field(default=1.0, validator=_positive)
-    replica_timeout_s: float = attrs.field(default=600.0, validator=_positive)
-    start_timeout_s: float = attrs.field(default=10.0, validator=_positive)
+    prefix_cache_sharing: str = attrs.field(default="tenant", validator=_sharing)
+    health_interval_s: float = attrs.field(default=1.0, validator=positive)
+    health_timeout_s: float = attrs.field(default=2.0, validator=positive)
+    reconnect_interval_s: float = attrs.field(default=1.0, validator=positive)
+    rejoin_after_s: float = attrs.field(default=5.0, validator=_non_negative)
+    replica_timeout_s: float = attrs.field(default=600.0, validator=positive)
+    start_timeout_s: float = attrs.field(default=10.0, validator=positive)
     max_retries: int = attrs.field(default=2, validator=_non_negative)
-    max_frame_bytes: int = attrs.field(default=DEFAULT_MAX_REQUEST_FRAME_BYTES, validator=_positive)
-    max_connections: int = attrs.field(default=1024, validator=_positive)
-    max_inflight_per_connection: int = attrs.field(default=256, validator=_positive)
-    max_protocol_errors: int = attrs.field(default=16, validator=_positive)
-    handshake_timeout_s: float = attrs.field(default=10.0, validator=_positive)
-    output_queue_frames: int = attrs.field(default=64, validator=_positive)
+    max_frame_bytes: int = attrs.field(default=DEFAULT_MAX_REQUEST_FRAME_BYTES, validator=positive)
+    max_connections: int = attrs.field(default=1024, validator=positive)
+    max_inflight_per_connection: int = attrs.field(default=256, validator=positive)
+    max_protocol_errors: int = attrs.field(default=16, validator=positive)
+    idle_timeout_s: float | None = attrs.field(default=None, validator=positive)
+    handshake_timeout_s: float = attrs.field(default=10.0, validator=positive)
+    send_timeout_s: float = attrs.field(default=30.0, validator=positive)
+    output_queue_frames: int = attrs.field(default=64, validator=positive)
+    output_queue_bytes: int = attrs.field(default=DEFAULT_OUTPUT_QUEUE_BYTES, validator=positive)
 
     def __attrs_post_init__(self) -> None:
         if not self.replicas:
@@ -200,9 +209,9 @@ class RouterConfig:
             "max_inflight_per_connection": self.max_inflight_per_connection,
             "max_inflight_per_tenant": None,
             "max_protocol_errors": self.max_protocol_errors,
-            "idle_timeout_s": None,
+            "idle_timeout_s": self.idle_timeout_s,
             "handshake_timeout_s": self.handshake_timeout_s,
-            "send_timeout_s": None,
+            "send_timeout_s": self.send_timeout_s,
             "max_inflight_per_replica": self.max_inflight_per_replica,
             "max_queued": self.max_queued,
         }
@@ -316,6 +325,7 @@ class Replica:
     num_inflight_tokens: int = 0
     last_health: HealthReply | None = None
     num_failures: int = 0
+    last_state: str = ""
     down: trio.Event = attrs.Factory(trio.Event)
 
     @property
@@ -476,63 +486,65 @@ class _Retry(Exception):
         self.code = code
 
 
-class Router:
+class Router(Front):
     """Serves many clients from several replicas; see the module docstring.
 
     Run it with `nursery.start(router.serve)` (returns once it listens and the
     replicas have answered); `shutdown()` closes every connection and returns.
     """
 
+    kind = "router"
+
     def __init__(self, config: RouterConfig) -> None:
-        self.config = config
+        super().__init__(config)
         self.policy = make_policy(config.policy)
+        self._cache = CacheConfig(prefix_cache_sharing=config.prefix_cache_sharing)
         self.replicas = [Replica(i, address, PrefixIndex(config.index_blocks_per_replica))
                          for i, address in enumerate(config.replicas)]
         self.queue = AdmissionQueue()
-        self.connections: dict[int, _RouterConnection] = {}
-        self.tcp_address: tuple[str, int] | None = None
-        self.unix_path: str | None = None
         self.welcome: Welcome | None = None
-        self.welcome_frame = b""
         self.num_inflight = 0
         self.num_retries = 0
         self.num_replica_failures = 0
         self.recent_admissions: deque[tuple[int, str, int]] = deque(maxlen=_ADMISSION_LOG)
         self._num_requests = 0
-        self._num_connections_opened = 0
         self._stop = trio.Event()
         self._stopped = trio.Event()
         self._replica_up = trio.Event()
-        self._connections_gone = trio.Event()
 
     # ---- lifecycle ---------------------------------------------------------------
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Connect to the replicas, listen, and serve until `shutdown()`."""
-        listeners: list[trio.SocketListener] = []
+        """Connect to the replicas, listen, and serve until `shutdown()`. Raises
+        ConnectionClosedError (a bare one, not in a group) if no replica answers."""
+        listeners = await self.open_listeners()
+        answered = True
         try:
             async with trio.open_nursery() as nursery:
                 for replica in self.replicas:
                     nursery.start_soon(self._supervise, replica)
-                await self._wait_for_replicas()
-                listeners = await self._open_listeners()
-                nursery.start_soon(self._accept, listeners, nursery)
-                task_status.started(self)
-                await self._stop.wait()
-                for conn in list(self.connections.values()):
-                    conn.close(Error(ErrorCode.SHUTDOWN.value, "the router is shutting down",
-                                     fatal=True))
-                with trio.move_on_after(self.config.handshake_timeout_s):
-                    while self.connections:
-                        self._connections_gone = trio.Event()
-                        await self._connections_gone.wait()
+                answered = await self._wait_for_replicas()
+                if answered:
+                    nursery.start_soon(self.accept, listeners, nursery)
+                    nursery.start_soon(self.watch_sends)
+                    task_status.started(self)
+                    await self._serve_until_stopped()
                 nursery.cancel_scope.cancel()
         finally:
-            with trio.CancelScope(shield=True):
-                for listener in listeners:
-                    await listener.aclose()
-            if self.unix_path is not None and os.path.exists(self.unix_path):
-                os.unlink(self.unix_path)
+            await self.close_listeners(listeners)
             self._stopped.set()
+        if not answered:
+            raise ConnectionClosedError(f"no replica answered within {self.config.start_timeout_s} s: "
+                                        f"{', '.join(map(str, self.config.replicas))}")
+
+    async def _serve_until_stopped(self) -> None:
+        await self._stop.wait()
+        self.draining = True
+        self.stop_accepting()
+        for conn in list(self.connections.values()):
+            conn.close(Error(ErrorCode.SHUTDOWN.value, "the router is shutting down", fatal=True),
+                       "shutdown")
+        with trio.move_on_after(self.config.handshake_timeout_s):
+            await self.wait_connections_gone()
 
     def shutdown(self) -> None:
         """Close every client connection (live streams get a fatal `shutdown`) and stop."""
@@ -542,83 +554,21 @@ class Router:
         """Wait until `serve` has returned."""
         await self._stopped.wait()
 
-    @property
-    def addresses(self) -> list[str]:
-        """Where the router listens, as `tcp://host:port` and `unix:/path` strings."""
-        out = []
-        if self.tcp_address is not None:
-            out.append(f"tcp://{self.tcp_address[0]}:{self.tcp_address[1]}")
-        if self.unix_path is not None:
-            out.append(f"unix:{self.unix_path}")
-        return out
-
-    async def _wait_for_replicas(self) -> None:
-        timeout = self.config.start_timeout_s
-        with trio.move_on_after(timeout):
+    async def _wait_for_replicas(self) -> bool:
+        """Whether some replica answered within start_timeout_s (all of them: sooner)."""
+        with trio.move_on_after(self.config.start_timeout_s):
             while not all(r.welcome is not None for r in self.replicas):
                 self._replica_up = trio.Event()
                 await self._replica_up.wait()
-        if self.welcome is None:
-            raise ConnectionClosedError(f"no replica answered within {timeout} s: "
-                                        f"{', '.join(map(str, self.config.replicas))}")
+        return self.welcome is not None
 
-    async def _open_listeners(self) -> list[trio.SocketListener]:
-        config, listeners = self.config, []
-        if config.port is not None:
-            tcp = await trio.open_tcp_listeners(config.port, host=config.host)
-            listeners.extend(tcp)
-            self.tcp_address = tuple(tcp[0].socket.getsockname()[:2])
-        if config.unix_path is not None:
-            listeners.append(await self._open_unix_listener(config.unix_path))
-        return listeners
+    def make_connection(self, stream: trio.SocketStream, conn_id: int) -> _RouterConnection:
+        """A connection whose requests go to the replicas."""
+        return _RouterConnection(self, stream, conn_id)
 
-    async def _open_unix_listener(self, path: str) -> trio.SocketListener:
-        if os.path.exists(path):
-            if not stat.S_ISSOCK(os.stat(path).st_mode):
-                raise ConfigError(f"{path} exists and is not a socket")
-            try:
-                probe = await trio.open_unix_socket(path)
-            except OSError:
-                os.unlink(path)  # left behind by a process that died
-            else:
-                await probe.aclose()
-                raise ConfigError(f"another process is listening on {path}")
-        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            await sock.bind(path)
-            os.chmod(path, 0o600)  # owner only, before anyone can connect
-            sock.listen(128)
-        except BaseException:
-            sock.close()
-            raise
-        self.unix_path = path
-        return trio.SocketListener(sock)
-
-    async def _accept(self, listeners, nursery: trio.Nursery) -> None:
-        await trio.serve_listeners(self._handle, listeners, handler_nursery=nursery)
-
-    async def _handle(self, stream: trio.SocketStream) -> None:
-        self._num_connections_opened += 1
-        conn = _RouterConnection(self, stream, self._num_connections_opened)
-        if len(self.connections) >= self.config.max_connections:
-            await conn.refuse(Error(ErrorCode.TOO_MANY_CONNECTIONS.value,
-                                    f"the router already has {len(self.connections)} connections",
-                                    limit="max_connections", fatal=True))
-            return
-        self.connections[conn.conn_id] = conn
-        try:
-            await conn.run()
-        finally:
-            del self.connections[conn.conn_id]
-            if not self.connections:
-                self._connections_gone.set()
-
-    def check_token(self, token: str | None) -> bool:
-        """Whether a Hello's token is acceptable (compared in constant time)."""
-        expected = self.config.token
-        if expected is None:
-            return True
-        return token is not None and hmac.compare_digest(token.encode(), expected.encode())
+    def stream_finished(self, state: _RouterStream) -> None:
+        """A client stream ended."""
+        self.num_inflight -= 1
 
     # ---- replicas ----------------------------------------------------------------
     async def _supervise(self, replica: Replica) -> None:
@@ -634,21 +584,48 @@ class Router:
                                            timeout_s=config.replica_timeout_s,
                                            client_name=ROUTER_NAME) as client:
                         scope.deadline = math.inf
-                        self._replica_connected(replica, client)
-                        await self._watch_health(replica, client)
+                        if await self._on_probation(replica, client):
+                            self._replica_connected(replica, client)
+                            await self._watch_health(replica, client)
                 if scope.cancelled_caught:
                     _log.info("replica %s (%s): no handshake within %s s", replica.name,
                               replica.address, config.health_timeout_s)
             except (ConnectionClosedError, ClientTimeoutError, ServerError, OSError) as exc:
-                _log.info("replica %s (%s) unavailable: %s", replica.name, replica.address, exc)
+                self._log_state(replica, f"unavailable: {exc}")
             self.replica_failed(replica)
             await trio.sleep(config.reconnect_interval_s)
+
+    async def _on_probation(self, replica: Replica, client: AsyncClient) -> bool:
+        """Whether a newly connected replica may join the rotation: it must answer
+        "ok" to its first health check, and one that has left the rotation before
+        must go on answering "ok" for rejoin_after_s, so a replica that keeps
+        failing stays out instead of flapping in and out."""
+        config = self.config
+        until = trio.current_time() + (config.rejoin_after_s if replica.num_failures else 0.0)
+        while True:
+            reply = None
+            with trio.move_on_after(config.health_timeout_s):
+                reply = await client.health()
+            if reply is None or reply.status != "ok":
+                self._log_state(replica, "no health reply" if reply is None else reply.status)
+                return False
+            replica.last_health = reply
+            if trio.current_time() >= until:
+                return True
+            await trio.sleep(min(config.health_interval_s, max(0.0, until - trio.current_time())))
+
+    def _log_state(self, replica: Replica, state: str) -> None:
+        """Log why a replica is out of rotation, once per change of reason."""
+        if replica.last_state != state:
+            replica.last_state = state
+            _log.info("replica %s (%s) out of rotation: %s", replica.name, replica.address, state)
 
     def _replica_connected(self, replica: Replica, client: AsyncClient) -> None:
         replica.client, replica.welcome, replica.healthy = client, client.welcome, True
         replica.index.clear()
         if self.welcome is None:
             self._set_welcome(client.welcome)
+        replica.last_state = "ok"
         _log.info("replica %s (%s) in rotation", replica.name, replica.address)
         self._replica_up.set()
         self._dispatch()
@@ -660,11 +637,10 @@ class Router:
             with trio.move_on_after(config.health_timeout_s):
                 reply = await client.health()
             if reply is None:
-                _log.info("replica %s: no health reply within %s s", replica.name,
-                          config.health_timeout_s)
+                self._log_state(replica, f"no health reply within {config.health_timeout_s} s")
                 return
             if reply.status != "ok":
-                _log.info("replica %s reports %s", replica.name, reply.status)
+                self._log_state(replica, reply.status)
                 return
             replica.last_health = reply
             if not replica.healthy:
@@ -696,8 +672,8 @@ class Router:
     # ---- placement ---------------------------------------------------------------
     def make_request(self, message: Generate) -> RoutedRequest:
         """The routed form of a Generate: block keys and outstanding-work estimate."""
-        keys = prompt_block_keys(message.prompt, self.block_size, message.cache_salt,
-                                 self.config.tokenizer)
+        salt = self._cache.block_salt(message.tenant, message.cache_salt)
+        keys = prompt_block_keys(message.prompt, self.block_size, salt, self.config.tokenizer)
         prompt = message.prompt
         num_prompt = len(prompt) if not isinstance(prompt, str) else len(prompt) // TEXT_BYTES_PER_TOKEN
         self._num_requests += 1
@@ -832,198 +808,69 @@ def _sum_stats(all_stats: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 @attrs.define(eq=False)
-class _RouterStream:
+class _RouterStream(StreamState):
     """One live client stream."""
 
-    stream: int
-    request: RoutedRequest
-    scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+    request: RoutedRequest | None = None
     remote: AsyncStream | None = None
-    abort_requested: bool = False
     accepted: bool = False
     streamed: bool = False
 
 
-class _RouterConnection:
-    """One client connection: handshake, frames in, one task per stream, a writer."""
+class _RouterConnection(Connection):
+    """A client connection of the router: each Generate is placed on a replica."""
+
+    router: Router
 
     def __init__(self, router: Router, stream: trio.SocketStream, conn_id: int) -> None:
+        super().__init__(router, stream, conn_id)
         self.router = router
-        self.config = router.config
-        self.stream = stream
-        self.conn_id = conn_id
-        self.streams: dict[int, _RouterStream] = {}
-        self.num_protocol_errors = 0
-        self._greeted = False
-        self._final: Error | None = None
-        self._reader_scope = trio.CancelScope()
-        self._streams_nursery: trio.Nursery | None = None
-        self._send, self._outbox = trio.open_memory_channel(self.config.output_queue_frames)
+        self._stats_slots = trio.Semaphore(_STATS_QUERIES_PER_CONNECTION)
 
-    async def refuse(self, frame: Error) -> None:
-        """Send one fatal Error and close."""
-        with trio.move_on_after(1.0):
-            try:
-                await self.stream.send_all(pack_frame(encode(frame)))
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                pass
-        await self.stream.aclose()
-
-    def close(self, frame: Error) -> None:
-        """Close after sending `frame`; live streams are aborted."""
-        if self._final is None:
-            self._final = frame
-        self._reader_scope.cancel()
-
-    async def run(self) -> None:
-        """Serve the connection until the peer leaves or it is closed."""
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._writer)
-                async with trio.open_nursery() as streams:
-                    self._streams_nursery = streams
-                    with self._reader_scope:
-                        await self._read_loop()
-                    streams.cancel_scope.cancel()
-                # The streams are over; what is queued (the final Error too) gets
-                # a bounded time to reach a client that may not be reading.
-                nursery.cancel_scope.deadline = trio.current_time() + _DRAIN_S
-                if self._final is not None:
-                    await self._send.send(pack_frame(encode(self._final)))
-                await self._send.aclose()
-        finally:
-            with trio.CancelScope(shield=True):
-                await self.stream.aclose()
-
-    async def _writer(self) -> None:
-        try:
-            async for frame in self._outbox:
-                await self.stream.send_all(frame)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            self._reader_scope.cancel()
-
-    async def send(self, message) -> None:
-        """Queue a frame for the writer, waiting while the queue is full."""
-        try:
-            await self._send.send(pack_frame(encode(message)))
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            pass
-
-    async def _read_loop(self) -> None:
-        buffer = FrameBuffer(self.config.max_frame_bytes)
-        deadline = trio.current_time() + self.config.handshake_timeout_s
-        try:
-            while True:
-                try:
-                    frame = buffer.next_frame()
-                except FrameTooLargeError as exc:
-                    self.close(Error(ErrorCode.FRAME_TOO_LARGE.value, str(exc),
-                                     limit="max_frame_bytes", fatal=True))
-                    return
-                if frame is not None:
-                    if await self._on_frame(frame):
-                        return
-                    continue
-                with trio.CancelScope(deadline=math.inf if self._greeted else deadline) as scope:
-                    data = await self.stream.receive_some(_READ_BYTES)
-                if scope.cancelled_caught:
-                    self.close(Error(ErrorCode.HANDSHAKE_TIMEOUT.value,
-                                     f"no Hello within {self.config.handshake_timeout_s} s",
-                                     limit="handshake_timeout_s", fatal=True))
-                    return
-                if not data:
-                    return
-                buffer.feed(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            return
-
-    async def _on_frame(self, frame: bytes) -> bool:
-        """Handle one frame; True when the connection must close."""
-        try:
-            message = decode_request(frame)
-        except MessageError as exc:
-            return await self._on_bad_message(exc)
-        if not self._greeted:
-            if type(message) is not Hello:
-                self.close(Error(ErrorCode.HANDSHAKE_REQUIRED.value,
-                                 f"the first message must be Hello, got {message.TYPE}", fatal=True))
-                return True
-            if not self.router.check_token(message.token):
-                self.close(Error(ErrorCode.UNAUTHORIZED.value, "missing or wrong token", fatal=True))
-                return True
-            self._greeted = True
-            await self._send.send(self.router.welcome_frame)
-            return False
-        kind = type(message)
-        if kind is Generate:
-            await self._on_generate(message)
-        elif kind is Abort:
-            await self._on_abort(message)
-        elif kind is StatsQuery:
-            self._streams_nursery.start_soon(self._answer_stats, message.ref)
-        elif kind is HealthQuery:
-            await self.send(self.router.health(message.ref))
-        else:
-            return await self._on_bad_message(MessageError("Hello was already received on this connection"))
-        return False
+    async def answer_stats(self, ref: int) -> None:
+        """Every replica's Stats, gathered in a task of its own (a few at once per
+        connection: beyond that the reader waits, so queries cannot pile up)."""
+        await self._stats_slots.acquire()
+        self.streams_nursery.start_soon(self._answer_stats, ref)
 
     async def _answer_stats(self, ref: int) -> None:
-        await self.send(await self.router.stats(ref))
+        try:
+            await self.send(await self.router.stats(ref))
+        finally:
+            self._stats_slots.release()
 
-    async def _on_bad_message(self, exc: MessageError) -> bool:
-        if not self._greeted or exc.code is ErrorCode.UNSUPPORTED_VERSION:
-            code = ErrorCode.HANDSHAKE_REQUIRED if exc.code is ErrorCode.INVALID_REQUEST else exc.code
-            self.close(Error(code.value, str(exc), fatal=True))
-            return True
-        if exc.code is not ErrorCode.INVALID_REQUEST:
-            self.num_protocol_errors += 1
-            limit = self.config.max_protocol_errors
-            if self.num_protocol_errors > limit:
-                self.close(Error(ErrorCode.TOO_MANY_PROTOCOL_ERRORS.value,
-                                 f"more than {limit} malformed messages; last: {exc}",
-                                 limit="max_protocol_errors", fatal=True))
-                return True
-        await self.send(Error(exc.code.value, str(exc), stream=exc.stream))
-        return False
+    async def answer_health(self, ref: int) -> None:
+        """The router's Health."""
+        await self.send(self.router.health(ref))
 
-    async def _on_generate(self, message: Generate) -> None:
-        sid = message.stream
-        if sid in self.streams:
-            await self.send(Error(ErrorCode.DUPLICATE_STREAM.value,
-                                  f"stream {sid} is already live on this connection", stream=sid))
-            return
-        if len(self.streams) >= self.config.max_inflight_per_connection:
-            await self.send(Error(ErrorCode.TOO_MANY_REQUESTS.value,
-                                  f"this connection already has {len(self.streams)} live streams",
-                                  stream=sid, limit="max_inflight_per_connection"))
-            return
-        refusal = message.refusal(RequestLimits.from_welcome(self.router.welcome))
-        if refusal is not None:
-            await self.send(refusal)  # refused here, so it reaches no replica
-            return
+    def refuse_generate(self, message: Generate) -> Error | None:
+        """A conversation (`messages`) is rendered by a server, and the router does
+        not forward it; a request the replicas would refuse (their model's limits,
+        from Welcome) is refused here, so it reaches no replica."""
+        if message.messages is not None:
+            return Error(ErrorCode.INVALID_REQUEST.value,
+                         "the router forwards prompts only; send the conversation to a server, "
+                         "or render it into a prompt", stream=message.stream)
+        return message.refusal(RequestLimits.from_welcome(self.router.welcome))
+
+    async def open_stream(self, message: Generate) -> None:
+        """Place (or queue) the request now, so requests keep their arrival order."""
         request = self.router.make_request(message)
         try:
             self.router.submit(request)
         except _Refused as refused:
             await self.send(refused.frame)
             return
-        state = _RouterStream(sid, request=request)
-        self.streams[sid] = state
+        state = _RouterStream(message.stream, request=request)
         self.router.num_inflight += 1
-        self._streams_nursery.start_soon(self._run_stream, state, message)
+        self.add_stream(state, self._run_stream)
 
-    async def _on_abort(self, message: Abort) -> None:
-        state = self.streams.get(message.stream)
-        if state is None:
-            await self.send(Error(ErrorCode.UNKNOWN_STREAM.value,
-                                  f"no live stream {message.stream} on this connection",
-                                  stream=message.stream))
-            return
-        state.abort_requested = True
+    async def abort_stream(self, state: _RouterStream) -> None:
+        """Abort on the replica, or end a request still waiting for one here."""
         if state.remote is not None:
             await self._abort_remote(state.remote)
         elif state.request.replica is None:
-            state.scope.cancel()  # still waiting for a replica: end it here
+            state.scope.cancel()
 
     async def _abort_remote(self, remote: AsyncStream) -> None:
         try:
@@ -1032,8 +879,7 @@ class _RouterConnection:
             pass  # the relay sees the failure too and handles it
 
     # ---- one stream --------------------------------------------------------------
-    async def _run_stream(self, state: _RouterStream, message: Generate) -> None:
-        router = self.router
+    async def _run_stream(self, state: _RouterStream) -> None:
         request = state.request
         error: Error | None = None
         try:
@@ -1044,12 +890,8 @@ class _RouterConnection:
         except _Refused as refused:
             error = refused.frame
         finally:
-            router.withdraw(request)
-            del self.streams[state.stream]
-            router.num_inflight -= 1
-            if error is not None:
-                with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-                    await self.send(error)
+            self.router.withdraw(request)
+            self.end_stream(state, error)
 
     async def _place_and_forward(self, state: _RouterStream, request: RoutedRequest) -> Error | None:
         """Forward until a replica finishes the request; the Error to end it with, if any.
@@ -1139,11 +981,12 @@ async def open_router(config: RouterConfig) -> AsyncIterator[Router]:
     """Run a router for the duration of an `async with` block (it is listening
     and the replicas have answered when the block starts)."""
     router = Router(config)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(router.serve)
-        try:
-            yield router
-        finally:
-            router.shutdown()
-            with trio.CancelScope(shield=True):
-                await router.wait_stopped()
+    with bare_errors():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(router.serve)
+            try:
+                yield router
+            finally:
+                router.shutdown()
+                with trio.CancelScope(shield=True):
+                    await router.wait_stopped()

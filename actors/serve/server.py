@@ -3,15 +3,16 @@
     async with open_server(EngineConfig(), ServerConfig(port=0)) as server:
         print(server.tcp_address)     # ('127.0.0.1', 43211)
 
-PROTOCOL.md is the contract. Per connection there are three kinds of task:
-the reader (handshake, then one frame at a time), one task per live stream
-(it iterates the engine's `RequestStream` and queues Output frames), and the
-writer (the only task that writes to the socket).
+PROTOCOL.md is the contract. The connection machinery (listening, accepting,
+handshake, bad messages, limits, the outbox and its writer, the watchdog) is
+the core in `connection.py`, shared with the router; what is the server's own
+is where a Generate goes: one task per live stream iterates the engine's
+`RequestStream` and queues Output frames.
 
 Why a slow client cannot stall anything else: the request actor coalesces a
 stream's deltas while its consumer waits, so a stream task blocked on a full
 output queue costs the engine nothing; the queue is bounded
-(`output_queue_frames`); and a socket write that makes no progress for
+(`output_queue_frames`, `output_queue_bytes`); and a socket write that makes no progress for
 `send_timeout_s` closes the connection, which aborts its requests. Closing a
 connection, for whatever reason, cancels its stream tasks in one go, and each
 cancelled stream aborts its request synchronously, so all of a connection's
@@ -20,22 +21,18 @@ requests are aborted before the scheduler plans its next step.
 Shutdown drains: listeners close at once, new requests are refused with
 `shutdown`, running ones get `shutdown_grace_s` to finish, the rest end with
 an Error frame `shutdown`, and every connection is closed with a fatal
-`shutdown` Error.
+`shutdown` Error. `abort_now()` (a second signal) closes everything at once.
 """
 
 from __future__ import annotations
 
 import argparse
-import hmac
 import ipaddress
 import logging
-import math
 import os
 import signal
-import socket
-import stat
 import sys
-from collections import Counter, deque
+from collections import Counter
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
@@ -50,15 +47,16 @@ from cadence.statemachine.errors import (
 from ..chat import EngineChat
 from ..engine import Engine, EngineConfig, RequestStream, open_engine
 from ..framing import MAX_FRAME_BYTES
-from .metrics import NullMetrics, ServerMetrics, serve_metrics
 from ..trio_thread import TrioThread
 from ..engine_args import add_engine_arguments, engine_config_from_args
 from ..wire import (
-    DEFAULT_PORT,
-    DEFAULT_MAX_REQUEST_FRAME_BYTES, Abort, Accepted, Error, ErrorCode, FrameBuffer,
-    FrameTooLargeError, Generate, HealthQuery, HealthReply, Hello, MessageError, Output,
-    StatsQuery, StatsReply, Welcome, decode_request, encode, pack_frame,
+    DEFAULT_PORT, DEFAULT_MAX_REQUEST_FRAME_BYTES, Accepted, Error, ErrorCode, Generate,
+    HealthReply, Output, StatsReply, Welcome, encode, pack_frame,
 )
+from .connection import (
+    DEFAULT_OUTPUT_QUEUE_BYTES, Connection, Front, bare_errors, port_number, positive, tokens_match,
+)
+from .metrics import NullMetrics, ServerMetrics, serve_metrics
 
 __all__ = [
     "DEFAULT_PORT",
@@ -69,6 +67,7 @@ __all__ = [
     "add_serve_parser",
     "run_serve",
     "main",
+    "tokens_match",
 ]
 
 _log = logging.getLogger("cadence.server")
@@ -76,28 +75,6 @@ _log = logging.getLogger("cadence.server")
 # The exit status of a user's mistake, as for every `cadence` command.
 USAGE_ERROR = 2
 SERVER_NAME = "cadence/0.1"
-# Bytes asked of the kernel per read: many small frames arrive in one read.
-_READ_BYTES = 1 << 16
-# Most frames (or bytes) the writer joins into one socket write.
-_WRITE_BATCH_FRAMES = 64
-_WRITE_BATCH_BYTES = 1 << 18
-# After a fatal Error frame: how long to keep reading (and discarding) what the
-# peer still sends, so closing does not reset the connection and destroy the
-# Error frame before the peer reads it.
-_LINGER_S = 1.0
-_LINGER_BYTES = 1 << 20
-# How many times per send_timeout_s the watchdog looks for stalled writes.
-_WATCHDOG_CHECKS = 4
-
-
-def _positive(instance, attribute, value) -> None:
-    if value is not None and not value > 0:
-        raise ConfigError(f"{attribute.name} must be > 0, got {value!r}")
-
-
-def _port(instance, attribute, value) -> None:
-    if value is not None and not 0 <= value <= 65535:
-        raise ConfigError(f"{attribute.name} must be in [0, 65535], got {value!r}")
 
 
 @attrs.frozen
@@ -118,27 +95,29 @@ class ServerConfig:
     handshake_timeout_s: time a new connection has to send its Hello.
     send_timeout_s: a socket write to a client that makes no progress for this
       long closes the connection (the client is not reading).
-    output_queue_frames: frames queued per connection before its streams wait.
+    output_queue_frames, output_queue_bytes: frames (and their bytes) queued
+      per connection before its streams wait.
     shutdown_grace_s: on shutdown, how long running requests may finish.
     metrics_host, metrics_port: Prometheus endpoint (None: off).
     """
 
     host: str = "127.0.0.1"
-    port: int | None = attrs.field(default=DEFAULT_PORT, validator=_port)
+    port: int | None = attrs.field(default=DEFAULT_PORT, validator=port_number)
     unix_path: str | None = None
     token: str | None = attrs.field(default=None, repr=False)
-    max_frame_bytes: int = attrs.field(default=DEFAULT_MAX_REQUEST_FRAME_BYTES, validator=_positive)
-    max_connections: int = attrs.field(default=1024, validator=_positive)
-    max_inflight_per_connection: int = attrs.field(default=256, validator=_positive)
-    max_inflight_per_tenant: int | None = attrs.field(default=None, validator=_positive)
-    max_protocol_errors: int = attrs.field(default=16, validator=_positive)
-    idle_timeout_s: float | None = attrs.field(default=300.0, validator=_positive)
-    handshake_timeout_s: float = attrs.field(default=10.0, validator=_positive)
-    send_timeout_s: float = attrs.field(default=30.0, validator=_positive)
-    output_queue_frames: int = attrs.field(default=64, validator=_positive)
+    max_frame_bytes: int = attrs.field(default=DEFAULT_MAX_REQUEST_FRAME_BYTES, validator=positive)
+    max_connections: int = attrs.field(default=1024, validator=positive)
+    max_inflight_per_connection: int = attrs.field(default=256, validator=positive)
+    max_inflight_per_tenant: int | None = attrs.field(default=None, validator=positive)
+    max_protocol_errors: int = attrs.field(default=16, validator=positive)
+    idle_timeout_s: float | None = attrs.field(default=300.0, validator=positive)
+    handshake_timeout_s: float = attrs.field(default=10.0, validator=positive)
+    send_timeout_s: float = attrs.field(default=30.0, validator=positive)
+    output_queue_frames: int = attrs.field(default=64, validator=positive)
+    output_queue_bytes: int = attrs.field(default=DEFAULT_OUTPUT_QUEUE_BYTES, validator=positive)
     shutdown_grace_s: float = attrs.field(default=30.0, validator=attrs.validators.ge(0))
     metrics_host: str = "127.0.0.1"
-    metrics_port: int | None = attrs.field(default=None, validator=_port)
+    metrics_port: int | None = attrs.field(default=None, validator=port_number)
 
     def __attrs_post_init__(self) -> None:
         if self.port is None and self.unix_path is None:
@@ -177,22 +156,9 @@ def _engine_error_code(exc: BaseException, draining: bool) -> ErrorCode:
     return ErrorCode.INTERNAL
 
 
-class _Fatal(Exception):
-    """Raised inside a connection's reader to close it with this Error frame."""
-
-    def __init__(self, frame: Error, reason: str) -> None:
-        super().__init__(frame.message)
-        self.frame = frame
-        self.reason = reason
-
-
-def _fatal(code: ErrorCode, message: str, reason: str, limit: str | None = None) -> _Fatal:
-    return _Fatal(Error(code.value, message, limit=limit, fatal=True), reason)
-
-
 @attrs.define(eq=False)
 class _StreamState:
-    """One live stream of a connection."""
+    """One live stream of the server (a msgpack stream, or one answer of the HTTP API)."""
 
     stream: int
     tenant: str
@@ -203,86 +169,48 @@ class _StreamState:
     shutdown: bool = False
 
 
-class Server:
+class Server(Front):
     """Serves one engine to many clients; see the module docstring.
 
     Run it with `await server.serve()` (or `nursery.start(server.serve)`, which
     returns once it listens); `shutdown()` makes `serve` drain and return.
     """
 
+    kind = "server"
+
     def __init__(self, engine: Engine, config: ServerConfig | None = None,
                  metrics: NullMetrics | None = None) -> None:
+        super().__init__(config if config is not None else ServerConfig(), metrics)
         self.engine = engine
-        self.config = config if config is not None else ServerConfig()
-        self.metrics = metrics if metrics is not None else NullMetrics()
-        self.connections: dict[int, _Connection] = {}
         self.tenant_inflight: Counter[str] = Counter()
         self.num_inflight = 0
-        self.draining = False
-        self.tcp_address: tuple[str, int] | None = None
-        self.unix_path: str | None = None
         self.metrics_address: tuple[str, int] | None = None
         self.http = None  # the HttpServer beside it, if any
         self.chat = EngineChat(engine.config.model, engine.tokenizer)
-        self._num_connections_opened = 0
         self._num_requests = 0
         self._shutdown_requested = trio.Event()
         self._all_idle = trio.Event()
-        self._connections_gone = trio.Event()
         self._grace_scope = trio.CancelScope()
-        self._accept_scope = trio.CancelScope()
         self._stopped = trio.Event()
-        self._unix_identity: tuple[int, int] | None = None
         self.welcome_frame = pack_frame(encode(self._make_welcome()))
 
     # ---- lifecycle ---------------------------------------------------------------
-    @property
-    def addresses(self) -> list[str]:
-        """Where the server listens, as `tcp://host:port` and `unix:/path` strings."""
-        out = []
-        if self.tcp_address is not None:
-            host, port = self.tcp_address
-            out.append(f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}")
-        if self.unix_path is not None:
-            out.append(f"unix:{self.unix_path}")
-        return out
-
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Listen and serve until `shutdown()` has drained every connection."""
-        listeners = await self._open_listeners()
+        listeners = await self.open_listeners()
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._accept, listeners, nursery)
-                watchdog = await nursery.start(self._watch_sends)
+                nursery.start_soon(self.accept, listeners, nursery)
+                watchdog = await nursery.start(self.watch_sends)
                 task_status.started(self)
                 await self._shutdown_requested.wait()
                 await self._drain()
                 # The watchdog still guards the connections' last writes.
-                while self.connections:
-                    self._connections_gone = trio.Event()
-                    await self._connections_gone.wait()
+                await self.wait_connections_gone()
                 watchdog.cancel()
         finally:
-            for listener in listeners:
-                with trio.CancelScope(shield=True):
-                    await listener.aclose()
-            self._remove_unix_socket()
+            await self.close_listeners(listeners)
             self._stopped.set()
-
-    async def _watch_sends(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Evict connections whose current write has made no progress for
-        send_timeout_s (checked a few times per timeout, so one watchdog serves
-        every connection and a write costs no timer of its own)."""
-        timeout = self.config.send_timeout_s
-        with trio.CancelScope() as scope:
-            task_status.started(scope)
-            while True:
-                await trio.sleep(timeout / _WATCHDOG_CHECKS)
-                now = trio.current_time()
-                for conn in list(self.connections.values()):
-                    started = conn.send_started_s
-                    if started is not None and now - started >= timeout:
-                        conn.evict_slow_consumer()
 
     def shutdown(self, grace_s: float | None = None) -> None:
         """Stop accepting and drain: running requests get `grace_s` seconds
@@ -295,16 +223,23 @@ class Server:
             _log.info("shutting down: %d requests in flight, %.1f s grace", self.num_inflight, grace)
         else:
             self._grace_scope.deadline = min(self._grace_scope.deadline, deadline)
-        self._accept_scope.cancel()
+        self.stop_accepting()
         self._shutdown_requested.set()
+
+    def abort_now(self) -> None:
+        """Shut down without waiting for anything: end every stream and close every
+        connection at once, without lingering for slow clients."""
+        self.shutdown(0.0)
+        for conn in list(self.connections.values()):
+            conn.close_now("shutdown")
 
     async def wait_stopped(self) -> None:
         """Wait until `serve` has returned."""
         await self._stopped.wait()
 
     async def _drain(self) -> None:
-        self._accept_scope.cancel()
-        self._remove_unix_socket()
+        self.stop_accepting()
+        self.remove_unix_socket()
         for conn in list(self.connections.values()):
             conn.close_if_idle()
         with self._grace_scope:
@@ -316,98 +251,20 @@ class Server:
         if self.http is not None:
             self.http.abort_for_shutdown()
 
-    # ---- listening ---------------------------------------------------------------
-    async def _open_listeners(self) -> list[trio.SocketListener]:
-        config = self.config
-        backlog = min(65535, max(128, config.max_connections))
-        listeners: list[trio.SocketListener] = []
-        try:
-            if config.port is not None:
-                tcp = await trio.open_tcp_listeners(config.port, host=config.host, backlog=backlog)
-                listeners.extend(tcp)
-                self.tcp_address = tuple(tcp[0].socket.getsockname()[:2])
-            if config.unix_path is not None:
-                listeners.append(await self._open_unix_listener(config.unix_path, backlog))
-        except BaseException:
-            for listener in listeners:
-                await listener.aclose()
-            raise
-        if config.host not in ("127.0.0.1", "::1", "localhost") and config.token is None:
-            _log.warning("listening on %s without a token: anyone who can reach it may use the engine",
-                         config.host)
-        return listeners
-
-    async def _open_unix_listener(self, path: str, backlog: int) -> trio.SocketListener:
-        if os.path.exists(path):
-            if not stat.S_ISSOCK(os.stat(path).st_mode):
-                raise ConfigError(f"{path} exists and is not a socket")
-            if await _unix_socket_answers(path):
-                raise ConfigError(f"another server is listening on {path}")
-            os.unlink(path)  # left behind by a server that died
-        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            await sock.bind(path)
-            # Owner-only before listening: until listen() nobody can connect anyway.
-            os.chmod(path, 0o600)
-            sock.listen(backlog)
-        except BaseException:
-            sock.close()
-            raise
-        info = os.stat(path)
-        self._unix_identity = (info.st_dev, info.st_ino)
-        self.unix_path = path
-        return trio.SocketListener(sock)
-
-    def _remove_unix_socket(self) -> None:
-        path, identity = self.unix_path, self._unix_identity
-        if path is None or identity is None:
-            return
-        self._unix_identity = None
-        try:
-            info = os.stat(path)
-            if (info.st_dev, info.st_ino) == identity:  # still ours, not a successor's
-                os.unlink(path)
-        except FileNotFoundError:
-            pass
-
-    async def _accept(self, listeners: list[trio.SocketListener], nursery: trio.Nursery) -> None:
-        with self._accept_scope:
-            await trio.serve_listeners(self._handle, listeners, handler_nursery=nursery)
-
-    async def _handle(self, stream: trio.SocketStream) -> None:
-        if self.draining:
-            await _refuse(stream, Error(ErrorCode.SHUTDOWN.value, "the server is shutting down",
-                                        fatal=True))
-            return
-        limit = self.config.max_connections
-        if len(self.connections) >= limit:
-            self.metrics.on_connection_closed("too_many_connections")
-            await _refuse(stream, Error(ErrorCode.TOO_MANY_CONNECTIONS.value,
-                                        f"the server already has {limit} connections",
-                                        limit="max_connections", fatal=True))
-            return
-        self._num_connections_opened += 1
-        conn = _Connection(self, stream, self._num_connections_opened)
-        await conn.run()
-
     # ---- what connections ask of the server ---------------------------------------
-    def register(self, conn: _Connection) -> None:
-        """A connection opened."""
-        self.connections[conn.conn_id] = conn
-        self.metrics.on_connection(1)
-
-    def unregister(self, conn: _Connection) -> None:
-        """A connection closed."""
-        del self.connections[conn.conn_id]
-        self.metrics.on_connection(-1)
-        self.metrics.on_connection_closed(conn.close_reason)
-        if not self.connections:
-            self._connections_gone.set()
+    def make_connection(self, stream: trio.SocketStream, conn_id: int) -> _ServerConnection:
+        """A connection serving this engine."""
+        return _ServerConnection(self, stream, conn_id)
 
     def next_request_id(self, conn_id: int) -> str:
         """A request id unique for the server's lifetime."""
         self._num_requests += 1
         return f"c{conn_id}-{self._num_requests}"
+
+    def stream_started(self, state: _StreamState) -> None:
+        """Count a new stream in the in-flight counts."""
+        self.num_inflight += 1
+        self.tenant_inflight[state.tenant] += 1
 
     def stream_finished(self, state: _StreamState) -> None:
         """Release a stream's place in the in-flight counts."""
@@ -448,355 +305,52 @@ class Server:
             eos_token_ids=sorted(engine.eos_token_ids), has_tokenizer=engine.tokenizer is not None,
             limits=self.config.limits())
 
-    def check_token(self, token: str | None) -> bool:
-        """Whether a Hello's token is acceptable (compared in constant time)."""
-        expected = self.config.token
-        return expected is None or tokens_match(token, expected)
 
+class _ServerConnection(Connection):
+    """A client connection of the server: each Generate becomes an engine request."""
 
-def tokens_match(given: str | None, expected: str) -> bool:
-    """Whether a client's secret is the expected one, compared in constant time."""
-    if given is None:
-        return False
-    return hmac.compare_digest(given.encode("utf-8"), expected.encode("utf-8"))
-
-
-async def _unix_socket_answers(path: str) -> bool:
-    try:
-        stream = await trio.open_unix_socket(path)
-    except OSError:
-        return False
-    await stream.aclose()
-    return True
-
-
-async def _refuse(stream: trio.SocketStream, frame: Error) -> None:
-    """Send one fatal Error frame and close, lingering so the peer can read it."""
-    try:
-        with trio.move_on_after(_LINGER_S):
-            await stream.send_all(pack_frame(encode(frame)))
-        await _linger_and_close(stream)
-    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-        pass
-    finally:
-        with trio.CancelScope(shield=True):
-            await stream.aclose()
-
-
-async def _linger_and_close(stream: trio.SocketStream) -> None:
-    try:
-        await stream.send_eof()
-        with trio.move_on_after(_LINGER_S):
-            discarded = 0
-            while discarded < _LINGER_BYTES:
-                data = await stream.receive_some(_READ_BYTES)
-                if not data:
-                    break
-                discarded += len(data)
-    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-        pass
-
-
-class _Outbox:
-    """The frames waiting for a connection's writer.
-
-    Counted frames (stream output, replies) take one of `capacity` places and
-    their producer waits while none is free; uncounted ones (a stream's ending
-    Error, the final fatal Error) never wait: there is at most one per live
-    stream plus one.
-    """
-
-    __slots__ = ("_frames", "_free", "_room", "_writer", "closed")
-
-    def __init__(self, capacity: int) -> None:
-        self._frames: deque[tuple[bytes, bool]] = deque()
-        self._free = capacity
-        self._room = trio.lowlevel.ParkingLot()
-        self._writer = trio.lowlevel.ParkingLot()
-        self.closed = False
-
-    async def put(self, frame: bytes) -> None:
-        """Queue a counted frame, waiting for a free place."""
-        while self._free <= 0:
-            await self._room.park()
-        self._free -= 1
-        self._frames.append((frame, True))
-        self._writer.unpark()
-
-    def put_nowait(self, frame: bytes) -> None:
-        """Queue an uncounted frame (dropped once the outbox is closed)."""
-        if not self.closed:
-            self._frames.append((frame, False))
-            self._writer.unpark()
-
-    def close(self) -> None:
-        """No more frames: the writer stops once the queue is empty."""
-        self.closed = True
-        self._writer.unpark()
-
-    async def take(self) -> tuple[list[bytes], int] | None:
-        """The next frames to write (joined up to a batch size) and how many of
-        them were counted; None once closed and empty."""
-        frames = self._frames
-        while not frames:
-            if self.closed:
-                return None
-            await self._writer.park()
-        batch, num_counted, size = [], 0, 0
-        while frames and len(batch) < _WRITE_BATCH_FRAMES and size < _WRITE_BATCH_BYTES:
-            frame, counted = frames.popleft()
-            batch.append(frame)
-            num_counted += counted
-            size += len(frame)
-        return batch, num_counted
-
-    def release(self, count: int) -> None:
-        """`count` counted frames were written: their places are free again."""
-        if count:
-            self._free += count
-            self._room.unpark(count=count)
-
-
-class _Connection:
-    """One client connection: handshake, frames in, streams, frames out."""
+    server: Server
 
     def __init__(self, server: Server, stream: trio.SocketStream, conn_id: int) -> None:
+        super().__init__(server, stream, conn_id)
         self.server = server
-        self.config = server.config
-        self.stream = stream
-        self.conn_id = conn_id
-        self.streams: dict[int, _StreamState] = {}
-        self.num_protocol_errors = 0
-        self.close_reason = "closed"
-        self._final: Error | None = None
-        self._outbox = _Outbox(self.config.output_queue_frames)
-        # When the write in progress began (None: no write in progress); the
-        # server's watchdog closes the connection if one lasts send_timeout_s.
-        self.send_started_s: float | None = None
-        self._scope: trio.CancelScope | None = None
-        self._reader_scope = trio.CancelScope()
-        self._receive_scope: trio.CancelScope | None = None
-        self._streams_nursery: trio.Nursery | None = None
-        self._greeted = False
-        # Deadlines count from the connection's start and from its last whole
-        # frame, so trickling bytes cannot keep a connection alive.
-        self._handshake_deadline = trio.current_time() + self.config.handshake_timeout_s
-        self._idle_since = trio.current_time()
-        try:
-            self.peer = str(stream.socket.getpeername()) or "unix"
-        except OSError:
-            self.peer = "?"
 
-    # ---- the connection task -----------------------------------------------------
-    async def run(self) -> None:
-        """Serve the connection until the peer leaves or it is closed."""
+    async def answer_stats(self, ref: int) -> None:
+        """The server's Stats."""
+        await self.send(self.server.stats(ref))
+
+    async def answer_health(self, ref: int) -> None:
+        """The server's Health."""
+        await self.send(self.server.health(ref))
+
+    def refuse_generate(self, message: Generate) -> Error | None:
+        """The per-tenant limit, across connections."""
+        server, limit = self.server, self.config.max_inflight_per_tenant
+        if limit is not None and server.tenant_inflight[message.tenant] >= limit:
+            return Error(ErrorCode.TENANT_LIMIT.value,
+                         f"tenant {message.tenant[:64]!r} already has "
+                         f"{server.tenant_inflight[message.tenant]} live streams",
+                         stream=message.stream, limit="max_inflight_per_tenant")
+        return None
+
+    async def open_stream(self, message: Generate) -> None:
+        """Start the engine request in a task of its own (a conversation is
+        rendered into its prompt first)."""
         server = self.server
-        server.register(self)
-        _log.debug("connection %d from %s", self.conn_id, self.peer)
-        try:
-            async with trio.open_nursery() as nursery:
-                self._scope = nursery.cancel_scope
-                nursery.start_soon(self._writer)
-                async with trio.open_nursery() as streams:
-                    self._streams_nursery = streams
-                    with self._reader_scope:
-                        await self._read_loop()
-                    # Every stream aborts its request as its task is cancelled.
-                    streams.cancel_scope.cancel()
-                if self._final is None:
-                    nursery.cancel_scope.cancel()
-                else:
-                    self._outbox.put_nowait(pack_frame(encode(self._final)))
-                    self._outbox.close()
-        finally:
-            server.unregister(self)
-            with trio.CancelScope(shield=True):
-                if self._final is not None and self.close_reason != "slow_consumer":
-                    with trio.move_on_after(_LINGER_S):
-                        await _linger_and_close(self.stream)
-                await self.stream.aclose()
-            _log.debug("connection %d closed: %s", self.conn_id, self.close_reason)
-
-    def close(self, frame: Error, reason: str) -> None:
-        """Close the connection after sending `frame` (its live streams are aborted)."""
-        if self._final is None:
-            self._final = frame
-            self.close_reason = reason
-        self._reader_scope.cancel()
-
-    def close_if_idle(self) -> None:
-        """During shutdown: close now if no stream is live."""
-        if not self.streams:
-            self.close(Error(ErrorCode.SHUTDOWN.value, "the server is shutting down", fatal=True),
-                       "shutdown")
-
-    def abort_for_shutdown(self) -> None:
-        """The grace period is over: end every live stream with a shutdown error."""
-        for state in self.streams.values():
-            state.shutdown = True
-            state.scope.cancel()
-        self.close_if_idle()
-
-    # ---- reading -----------------------------------------------------------------
-    async def _read_loop(self) -> None:
-        buffer = FrameBuffer(self.config.max_frame_bytes)
-        try:
-            while True:
-                try:
-                    frame = buffer.next_frame()
-                except FrameTooLargeError as exc:
-                    self.server.metrics.on_protocol_error(ErrorCode.FRAME_TOO_LARGE.value)
-                    raise _fatal(ErrorCode.FRAME_TOO_LARGE, str(exc), "frame_too_large",
-                                 "max_frame_bytes") from None
-                if frame is not None:
-                    await self._on_frame(frame)
-                    continue
-                data = await self._receive()
-                if not data:
-                    if buffer.num_pending_bytes:
-                        self.server.metrics.on_protocol_error(ErrorCode.BAD_FRAME.value)
-                        self.close_reason = "truncated_frame"
-                    else:
-                        self.close_reason = "eof"
-                    return
-                buffer.feed(data)
-        except _Fatal as fatal:
-            self.close(fatal.frame, fatal.reason)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            self.close_reason = "reset"
-            _log.debug("connection %d: %s", self.conn_id, exc)
-        except Exception:  # a bug here must cost one connection, never the server
-            _log.exception("connection %d: internal error", self.conn_id)
-            self.close(Error(ErrorCode.INTERNAL.value, "internal server error", fatal=True), "internal")
-
-    async def _receive(self) -> bytes:
-        config = self.config
-        if not self._greeted:
-            deadline = self._handshake_deadline
-        elif self.streams or config.idle_timeout_s is None:
-            deadline = math.inf
-        else:
-            deadline = self._idle_since + config.idle_timeout_s
-        with trio.CancelScope(deadline=deadline) as scope:
-            self._receive_scope = scope
-            data = await self.stream.receive_some(_READ_BYTES)
-            self._receive_scope = None
-            return data
-        self._receive_scope = None
-        if not self._greeted:
-            raise _fatal(ErrorCode.HANDSHAKE_TIMEOUT,
-                         f"no Hello within {config.handshake_timeout_s} s", "handshake_timeout",
-                         "handshake_timeout_s")
-        raise _fatal(ErrorCode.IDLE_TIMEOUT, f"idle for {config.idle_timeout_s} s", "idle_timeout",
-                     "idle_timeout_s")
-
-    def _idle_clock_restart(self) -> None:
-        """The last stream ended: the idle timeout counts from now."""
-        self._idle_since = now = trio.current_time()
-        scope, idle = self._receive_scope, self.config.idle_timeout_s
-        if scope is not None and idle is not None and not self.streams and self._greeted:
-            scope.deadline = now + idle
-
-    async def _on_frame(self, frame: bytes) -> None:
-        self._idle_since = trio.current_time()
-        try:
-            message = decode_request(frame)
-        except MessageError as exc:
-            await self._on_bad_message(exc)
-            return
-        if not self._greeted:
-            await self._handshake(message)
-            return
-        kind = type(message)
-        if kind is Generate:
-            await self._on_generate(message)
-        elif kind is Abort:
-            await self._on_abort(message)
-        elif kind is StatsQuery:
-            await self._send(self.server.stats(message.ref))
-        elif kind is HealthQuery:
-            await self._send(self.server.health(message.ref))
-        else:
-            await self._on_bad_message(MessageError("Hello was already received on this connection"))
-
-    async def _on_bad_message(self, exc: MessageError) -> None:
-        metrics = self.server.metrics
-        if not self._greeted or exc.code is ErrorCode.UNSUPPORTED_VERSION:
-            # A well-formed Generate with bad values, sent before Hello, is still not a Hello.
-            code = ErrorCode.HANDSHAKE_REQUIRED if exc.code is ErrorCode.INVALID_REQUEST else exc.code
-            metrics.on_protocol_error(code.value)
-            raise _Fatal(Error(code.value, str(exc), fatal=True), "protocol_error")
-        if exc.code is ErrorCode.INVALID_REQUEST:
-            metrics.on_rejected(exc.code.value)
-            await self._send(Error(exc.code.value, str(exc), stream=exc.stream))
-            return
-        metrics.on_protocol_error(exc.code.value)
-        self.num_protocol_errors += 1
-        limit = self.config.max_protocol_errors
-        if self.num_protocol_errors > limit:
-            metrics.on_protocol_error(ErrorCode.TOO_MANY_PROTOCOL_ERRORS.value)
-            raise _fatal(ErrorCode.TOO_MANY_PROTOCOL_ERRORS,
-                         f"more than {limit} malformed messages; last: {exc}", "protocol_error",
-                         "max_protocol_errors")
-        await self._send(Error(exc.code.value, str(exc), stream=exc.stream))
-
-    async def _handshake(self, message) -> None:
-        if type(message) is not Hello:
-            self.server.metrics.on_protocol_error(ErrorCode.HANDSHAKE_REQUIRED.value)
-            raise _fatal(ErrorCode.HANDSHAKE_REQUIRED,
-                         f"the first message must be Hello, got {message.TYPE}", "protocol_error")
-        if not self.server.check_token(message.token):
-            raise _fatal(ErrorCode.UNAUTHORIZED, "missing or wrong token", "unauthorized")
-        self._greeted = True
-        if message.client:
-            _log.debug("connection %d is %r", self.conn_id, message.client[:64])
-        await self._send_frame(self.server.welcome_frame)
-
-    # ---- requests ----------------------------------------------------------------
-    async def _on_generate(self, message: Generate) -> None:
-        server, config = self.server, self.config
-        sid = message.stream
-        refusal = None
-        if server.draining:
-            refusal = (ErrorCode.SHUTDOWN, "the server is shutting down", None)
-        elif sid in self.streams:
-            refusal = (ErrorCode.DUPLICATE_STREAM, f"stream {sid} is already live on this connection",
-                       None)
-        elif len(self.streams) >= config.max_inflight_per_connection:
-            refusal = (ErrorCode.TOO_MANY_REQUESTS,
-                       f"this connection already has {len(self.streams)} live streams",
-                       "max_inflight_per_connection")
-        elif (config.max_inflight_per_tenant is not None
-              and server.tenant_inflight[message.tenant] >= config.max_inflight_per_tenant):
-            refusal = (ErrorCode.TENANT_LIMIT,
-                       f"tenant {message.tenant[:64]!r} already has "
-                       f"{server.tenant_inflight[message.tenant]} live streams",
-                       "max_inflight_per_tenant")
-        if refusal is None and message.messages is not None:
+        if message.messages is not None:
             try:
                 message = attrs.evolve(message, prompt=server.chat.prompt_ids(message.messages),
                                        messages=None)
             except InvalidRequestError as exc:
-                refusal = (ErrorCode.INVALID_REQUEST, str(exc), None)
-        if refusal is not None:
-            code, text, limit = refusal
-            server.metrics.on_rejected(code.value)
-            await self._send(Error(code.value, text, stream=sid, limit=limit))
-            return
-        state = _StreamState(sid, message.tenant, server.next_request_id(self.conn_id))
-        self.streams[sid] = state
-        server.num_inflight += 1
-        server.tenant_inflight[message.tenant] += 1
-        self._streams_nursery.start_soon(self._run_stream, state, message)
+                server.metrics.on_rejected(ErrorCode.INVALID_REQUEST.value)
+                await self.send(Error(ErrorCode.INVALID_REQUEST.value, str(exc), stream=message.stream))
+                return
+        state = _StreamState(message.stream, message.tenant, server.next_request_id(self.conn_id))
+        server.stream_started(state)
+        self.add_stream(state, self._run_stream, message)
 
-    async def _on_abort(self, message: Abort) -> None:
-        state = self.streams.get(message.stream)
-        if state is None:
-            await self._send(Error(ErrorCode.UNKNOWN_STREAM.value,
-                                   f"no live stream {message.stream} on this connection",
-                                   stream=message.stream))
-            return
-        state.abort_requested = True
+    async def abort_stream(self, state: _StreamState) -> None:
+        """Abort the engine request (once it has one; `_run_stream` sees the flag otherwise)."""
         if state.started:
             try:
                 await self.server.engine.abort(state.request_id, "aborted by client")
@@ -822,13 +376,10 @@ class _Connection:
                     return
                 state.started = True
                 if state.abort_requested:
-                    try:
-                        await engine.abort(state.request_id, "aborted by client")
-                    except RequestNotFoundError:
-                        pass  # already over (its own timeout)
+                    await self.abort_stream(state)
                 num_prompt = self._num_prompt_tokens(state.request_id, message.prompt)
                 metrics.on_accepted(num_prompt)
-                await self._send(Accepted(state.stream, state.request_id, num_prompt))
+                await self.send(Accepted(state.stream, state.request_id, num_prompt))
                 await self._relay(state, request_stream)
             if state.shutdown:
                 error = Error(ErrorCode.SHUTDOWN.value,
@@ -842,17 +393,10 @@ class _Connection:
         finally:
             with trio.CancelScope(shield=True):
                 await request_stream.aclose()  # aborts the request unless it finished
-            del self.streams[state.stream]
-            server.stream_finished(state)
-            if error is not None:
-                self._send_nowait(error)
-            if server.draining:
-                self.close_if_idle()
-            else:
-                self._idle_clock_restart()
+            self.end_stream(state, error)
 
     async def _relay(self, state: _StreamState, request_stream: RequestStream) -> None:
-        metrics = self.server.metrics
+        metrics = self.metrics
         previous_s = None
         async for out in request_stream:
             if out.token_ids:
@@ -861,9 +405,9 @@ class _Connection:
                 previous_s = out.now_s
             if out.finish_reason is not None:
                 metrics.on_finished(out.finish_reason, out.arrival_s, out.now_s)
-            await self._send(Output(state.stream, out.token_ids, out.text, out.num_tokens,
-                                    out.finish_reason, out.detail, out.num_cached_tokens,
-                                    out.logprobs))
+            await self.send(Output(state.stream, out.token_ids, out.text, out.num_tokens,
+                                   out.finish_reason, out.detail, out.num_cached_tokens,
+                                   out.logprobs))
 
     def _num_prompt_tokens(self, request_id: str, prompt: str | list[int]) -> int:
         actor = self.server.engine.scheduler.actors.get(request_id)
@@ -873,41 +417,6 @@ class _Connection:
             return len(prompt)
         tokenizer = self.server.engine.tokenizer
         return len(tokenizer.encode(prompt)) if tokenizer is not None else 0
-
-    # ---- writing -----------------------------------------------------------------
-    async def _send(self, message) -> None:
-        """Queue a frame, waiting while the connection's output queue is full."""
-        await self._outbox.put(pack_frame(encode(message)))
-
-    async def _send_frame(self, frame: bytes) -> None:
-        await self._outbox.put(frame)
-
-    def _send_nowait(self, message) -> None:
-        """Queue a frame past the bound: only for the Error that ends a stream."""
-        self._outbox.put_nowait(pack_frame(encode(message)))
-
-    def evict_slow_consumer(self) -> None:
-        """The client has not taken a frame for send_timeout_s: close the connection
-        (no Error frame can get through a full socket)."""
-        _log.info("connection %d: client not reading for %.1f s; closing", self.conn_id,
-                  self.config.send_timeout_s)
-        self.close_reason = "slow_consumer"
-        if self._scope is not None:
-            self._scope.cancel()
-
-    async def _writer(self) -> None:
-        outbox = self._outbox
-        try:
-            while (batch := await outbox.take()) is not None:
-                frames, num_counted = batch
-                self.send_started_s = trio.current_time()
-                await self.stream.send_all(frames[0] if len(frames) == 1 else b"".join(frames))
-                self.send_started_s = None
-                outbox.release(num_counted)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            _log.debug("connection %d: write failed: %s", self.conn_id, exc)
-            self.close_reason = "reset"
-            self._scope.cancel()
 
 
 # ---------------------------------------------------------------------------
@@ -930,25 +439,27 @@ async def open_server(engine_config: EngineConfig | None = None,
     if metrics is None:
         metrics = server_config.metrics_port is not None or http is not None
     recorder = ServerMetrics() if metrics else NullMetrics()
-    async with open_engine(engine_config, on_step=recorder.on_step if metrics else None) as engine:
-        recorder.bind(engine)
-        server = Server(engine, server_config, recorder)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(server.serve)
-            if http is not None:
-                from .http import serve_http  # it builds on this module
+    with bare_errors():
+        async with open_engine(engine_config, on_step=recorder.on_step if metrics else None) as engine:
+            recorder.bind(engine)
+            server = Server(engine, server_config, recorder)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(server.serve)
+                if http is not None:
+                    from .http import serve_http  # it builds on this module
 
-                server.http = await nursery.start(serve_http, server, http)
-            if metrics and server_config.metrics_port is not None:
-                server.metrics_address = await nursery.start(
-                    serve_metrics, recorder, server_config.metrics_host, server_config.metrics_port)
-            try:
-                yield server
-            finally:
-                server.shutdown(0.0)
-                with trio.CancelScope(shield=True):
-                    await server.wait_stopped()
-                nursery.cancel_scope.cancel()
+                    server.http = await nursery.start(serve_http, server, http)
+                if metrics and server_config.metrics_port is not None:
+                    server.metrics_address = await nursery.start(
+                        serve_metrics, recorder, server_config.metrics_host,
+                        server_config.metrics_port)
+                try:
+                    yield server
+                finally:
+                    server.shutdown(0.0)
+                    with trio.CancelScope(shield=True):
+                        await server.wait_stopped()
+                    nursery.cancel_scope.cancel()
 
 
 class ServerThread:
@@ -1133,8 +644,8 @@ async def _on_signals(server: Server, signals) -> None:
                   "send it again to abort running requests", flush=True)
             server.shutdown()
         else:
-            print(f"cadence serve: {name}: aborting running requests", flush=True)
-            server.shutdown(0.0)
+            print(f"cadence serve: {name}: aborting running requests and closing now", flush=True)
+            server.abort_now()
 
 
 def main(argv: list[str] | None = None) -> int:

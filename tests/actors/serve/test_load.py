@@ -24,10 +24,11 @@ import trio
 from cadence.actors.client import open_client
 from cadence.actors.serve.server import open_server
 from cadence.actors.simulated import LatencyModel
-from cadence.actors.wire import ConnectionClosedError
+from cadence.actors.wire import ConnectionClosedError, Generate, SamplingParams
 
 from test_server_support import (
-    WAIT_S, engine_config, expected_tokens, explore, fd_limit, server_config, settled, wait_until,
+    WAIT_S, RawConnection, engine_config, expected_tokens, explore, fd_limit, server_config, settled,
+    wait_until,
 )
 
 _CONNECTIONS = int(os.environ.get("CADENCE_LOAD_CONNECTIONS", "200"))
@@ -35,6 +36,9 @@ _CONNECTIONS = int(os.environ.get("CADENCE_LOAD_CONNECTIONS", "200"))
 # and allocator slack, not per-request or per-connection state.
 _OBJECT_MARGIN = 1500
 _RSS_MARGIN_BYTES = 32 << 20
+# Resident memory that may remain after clients that never read have left:
+# allocator slack, not their queued frames or coalesced outputs.
+_ABUSE_RSS_MARGIN_BYTES = 64 << 20
 _SOAK_STEP = LatencyModel(base_us=300.0, prefill_us_per_token=0.0, decode_us_per_seq=5.0)
 
 
@@ -193,3 +197,46 @@ async def test_closing_the_server_under_load_fails_streams_cleanly():
         with trio.fail_after(WAIT_S):
             await server.wait_stopped()
         await settled(server)
+
+
+async def _never_reading_client(server, index: int, num_streams: int) -> RawConnection:
+    """A client that sends a near-1 MiB text prompt (refused as too long), starts
+    `num_streams` long streams, and never reads."""
+    conn = await RawConnection.greeted(server, rcvbuf=4096)
+    await conn.send(Generate(num_streams, "x" * 900_000, SamplingParams(max_tokens=16)))
+    for sid in range(num_streams):
+        await conn.send(Generate(sid, [1 + index % 200] * 40,
+                                 SamplingParams(max_tokens=4000, ignore_eos=True)))
+    return conn
+
+
+async def test_memory_returns_near_baseline_after_clients_that_never_read_leave():
+    num_hogs = 60 if explore() else 40
+    num_streams = 8
+    engine = engine_config(_SOAK_STEP, max_num_seqs=num_hogs * num_streams, num_blocks=32768,
+                           max_num_batched_tokens=1 << 20)
+    config = server_config(send_timeout_s=2.0, max_connections=num_hogs + 64)
+    async with open_server(engine, config) as server:
+        await _soak(server, seed=0, num_clients=20, num_requests=2)  # warm-up
+        gc.collect()
+        baseline_tasks, baseline_rss = _count_tasks(), _rss_bytes()
+        hogs = [await _never_reading_client(server, i, num_streams) for i in range(num_hogs)]
+        during_rss = _rss_bytes()
+        num_hogs_streaming = len(server.connections)
+        # Well-behaved clients are served meanwhile, and the hogs are evicted.
+        tally = await _soak(server, seed=2, num_clients=10, num_requests=3)
+        await wait_until(lambda: not server.connections, what="hogs evicted")
+        for hog in hogs:
+            await hog.aclose()
+        await settled(server)
+        gc.collect()
+        await trio.sleep(1.5)  # the watchdog's next heap trim
+        after_rss = _rss_bytes()
+        assert _count_tasks() == baseline_tasks
+        assert tally["finish"] and num_hogs_streaming
+        if baseline_rss is not None:
+            mib = 1 << 20
+            print(f"RSS before {baseline_rss / mib:.0f} MiB, during {during_rss / mib:.0f} MiB "
+                  f"({num_hogs_streaming} of {num_hogs} clients that never read still connected), "
+                  f"after {after_rss / mib:.0f} MiB")
+            assert after_rss - baseline_rss < _ABUSE_RSS_MARGIN_BYTES, (baseline_rss, during_rss, after_rss)

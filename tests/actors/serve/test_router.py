@@ -28,7 +28,7 @@ from cadence.actors.serve.router import (
 from cadence.actors.serve.server import open_server
 from cadence.actors.wire import (
     Abort, ConnectionClosedError, Accepted, AuthenticationError, Error, Generate, Output, RemoteExecutorError,
-    RemoteInvalidRequestError, RemoteQueueFullError, SamplingParams,
+    RemoteInvalidRequestError, RemoteQueueFullError, SamplingParams, StatsQuery,
 )
 from cadence.statemachine.errors import ConfigError
 
@@ -393,7 +393,7 @@ async def test_a_stalled_replica_leaves_the_rotation_and_rejoins_when_it_answers
     async with replicas(1) as servers, child_replica() as (process, address):
         config = RouterConfig(replicas=(servers[0].tcp_address, address), port=0,
                               policy="round_robin", health_interval_s=0.05, health_timeout_s=1.0,
-                              reconnect_interval_s=0.05)
+                              reconnect_interval_s=0.05, rejoin_after_s=0.2)
         async with open_router(config) as router, open_client(router.tcp_address) as client:
             process.send_signal(signal.SIGSTOP)
             try:
@@ -407,3 +407,65 @@ async def test_a_stalled_replica_leaves_the_rotation_and_rejoins_when_it_answers
             ids = [(await client.complete([9], max_tokens=3)).request_id for _ in range(2)]
             assert sorted(i.split("/")[0] for i in ids) == ["r0", "r1"]
             assert router.num_replica_failures >= 1
+
+
+async def test_a_replica_reporting_closed_stays_out_until_healthy_for_a_while():
+    async with replicas(2) as servers:
+        config = router_config(servers, policy="round_robin", health_interval_s=0.02,
+                               reconnect_interval_s=0.02, rejoin_after_s=0.5)
+        async with open_router(config) as router, open_client(router.tcp_address) as client:
+            ok_health = servers[1].health
+            servers[1].health = lambda ref: attrs.evolve(ok_health(ref), status="closed")
+            await wait_until(lambda: not router.replicas[1].healthy, what="closed replica out")
+            # Many reconnect and health intervals later it has never come back.
+            seen_healthy = False
+            with trio.move_on_after(0.3):
+                while True:
+                    seen_healthy |= router.replicas[1].healthy
+                    await trio.sleep(0.005)
+            assert not seen_healthy and router.num_replica_failures == 1
+            for i in range(3):
+                assert (await client.complete([i + 1], max_tokens=2)).request_id.startswith("r0/")
+            healthy_again_s = trio.current_time()
+            servers[1].health = ok_health
+            await wait_until(lambda: router.replicas[1].healthy, what="replica back in rotation")
+            assert trio.current_time() - healthy_again_s >= config.rejoin_after_s
+            assert router.num_replica_failures == 1
+
+
+async def test_stats_queries_cannot_pile_up_while_the_replicas_are_slow_to_answer():
+    async with replicas(1) as servers, open_router(router_config(servers)) as router:
+        answer = trio.Event()
+        real_stats = router.stats
+
+        async def slow_stats(ref):
+            await answer.wait()
+            return await real_stats(ref)
+
+        router.stats = slow_stats
+        conn = await RawConnection.greeted(router)
+        for ref in range(200):
+            await conn.send(StatsQuery(ref))
+        (client_conn,) = router.connections.values()
+        await trio.sleep(0.2)  # time for the reader to take every frame it may
+        assert len(client_conn.streams_nursery.child_tasks) <= 4
+        answer.set()
+        replies = [await conn.receive() for _ in range(200)]
+        assert sorted(r.ref for r in replies) == list(range(200))
+        await conn.aclose()
+
+
+async def test_the_router_refuses_a_conversation_on_its_stream_and_keys_blocks_by_tenant():
+    async with replicas(1) as servers, open_router(router_config(servers)) as router:
+        conn = await RawConnection.greeted(router)
+        await conn.send(Generate(3, None, SamplingParams(max_tokens=2),
+                                 messages=[{"role": "user", "content": "hi"}]))
+        reply = await conn.receive()
+        assert (type(reply), reply.code, reply.stream) == (Error, "invalid_request", 3)
+        await conn.aclose()
+        prompt = [1] * (4 * BLOCK)
+        keys = {tenant: router.make_request(Generate(0, prompt, tenant=tenant)).keys
+                for tenant in ("a", "b")}
+        assert keys["a"] != keys["b"] and len(keys["a"]) == 4
+    with pytest.raises(ConfigError, match="prefix_cache_sharing"):
+        router_config(servers, prefix_cache_sharing="everyone")

@@ -346,6 +346,8 @@ async def test_queue_full_maps_to_queue_full_error():
 
 
 async def test_duplicate_and_unknown_streams():
+    # duplicate_stream names no stream: an Error for stream 5 would read as the
+    # end of the live stream 5, which goes on.
     async with open_server(engine_config(SLOW_STEP), server_config()) as server:
         conn = await RawConnection.greeted(server)
         await conn.send(Generate(5, [1], SamplingParams(max_tokens=100, ignore_eos=True)))
@@ -356,7 +358,9 @@ async def test_duplicate_and_unknown_streams():
             message = await conn.receive()
             if type(message) is Error:
                 errors.append(message)
-        assert sorted((e.stream, e.code) for e in errors) == [(5, "duplicate_stream"), (99, "unknown_stream")]
+        assert sorted((e.code, e.stream) for e in errors) == [("duplicate_stream", None),
+                                                               ("unknown_stream", 99)]
+        assert "stream 5" in next(e.message for e in errors if e.code == "duplicate_stream")
         assert not any(e.fatal for e in errors)
         messages = await _stream_messages(conn, 5)
         assert messages[-1].finish_reason == "length" and messages[-1].num_tokens == 100

@@ -18,12 +18,14 @@ _WAIT_S = 60.0
 _SERVE = [sys.executable, "-m", "cadence.actors.serve.server"]
 
 
-def _start(*args: str) -> tuple[subprocess.Popen, tuple[str, int]]:
-    """Start `serve` on a free port; return it and its address once it listens."""
+def start_serve(*args: str, preexec_fn=None) -> tuple[subprocess.Popen, tuple[str, int]]:
+    """Start `serve` on a free port (`preexec_fn` runs in the child before it
+    starts); return it and its address once it listens."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("CADENCE_TOKEN", None)
     process = subprocess.Popen([*_SERVE, "--port", "0", "--sim-step-us", "1000", *args],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                               preexec_fn=preexec_fn)
     line = process.stdout.readline()  # blocks until the server prints it (or dies)
     match = re.search(r"tcp://([\d.]+):(\d+)", line)
     if match is None:
@@ -34,7 +36,7 @@ def _start(*args: str) -> tuple[subprocess.Popen, tuple[str, int]]:
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_drains_running_requests_then_exits_0(signum):
-    process, address = _start("--shutdown-grace-s", "60")
+    process, address = start_serve("--shutdown-grace-s", "60")
     try:
         with Client.connect(address, timeout_s=_WAIT_S) as client:
             stream = client.generate([1, 2, 3], max_tokens=300, ignore_eos=True)
@@ -49,7 +51,7 @@ def test_a_signal_drains_running_requests_then_exits_0(signum):
 
 
 def test_requests_outliving_the_grace_end_with_a_shutdown_error():
-    process, address = _start("--shutdown-grace-s", "0.1")
+    process, address = start_serve("--shutdown-grace-s", "0.1")
     try:
         with Client.connect(address, timeout_s=_WAIT_S) as client:
             stream = client.generate([1, 2, 3], max_tokens=4000, ignore_eos=True)
@@ -66,7 +68,7 @@ def test_requests_outliving_the_grace_end_with_a_shutdown_error():
 def test_token_file_is_enforced(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("hunter2\n")
-    process, address = _start("--token-file", str(token_file))
+    process, address = start_serve("--token-file", str(token_file))
     try:
         with Client.connect(address, token="hunter2", timeout_s=_WAIT_S) as client:
             assert client.health().status == "ok"

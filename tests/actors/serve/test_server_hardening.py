@@ -1,0 +1,155 @@
+"""What a hostile or simply newer client cannot do to the server: requests it
+cannot read are answered on their own stream, a duplicate id never reads as
+the live stream's end, disconnect aborts are counted where Stats counts them,
+a client that never reads costs bounded memory."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+import trio
+
+from cadence.actors.client import open_client
+from cadence.actors.serve.connection import Outbox
+from cadence.actors.serve.server import open_server
+from cadence.actors.wire import Error, Generate, HealthQuery, HealthReply, Output, SamplingParams, pack_frame
+
+from test_server_support import (
+    SLOW_STEP, WAIT_S, RawConnection, engine_config, server_config, settled, wait_until,
+)
+
+
+def _generate_frame(payload: dict) -> bytes:
+    return pack_frame(msgpack.packb([1, "Generate", payload], use_bin_type=True))
+
+
+@pytest.mark.parametrize("payload, field", [
+    pytest.param({"stream": 7}, "prompt", id="missing-prompt"),
+    pytest.param({"stream": 7, "prompt": [1], "grammar": "x"}, "grammar", id="unknown-field"),
+    pytest.param({"stream": 7, "prompt": [1], "params": {"json_schema": {}}}, "json_schema",
+                 id="unknown-param"),
+    pytest.param({"stream": 7, "prompt": {"a": 1}}, "prompt", id="mistyped-prompt"),
+])
+async def test_a_generate_with_a_readable_stream_is_refused_on_that_stream(payload, field):
+    # max_protocol_errors=1: refusals of one request are not malformed traffic,
+    # so three of them do not close the connection.
+    async with open_server(engine_config(), server_config(max_protocol_errors=1)) as server:
+        conn = await RawConnection.greeted(server)
+        for _ in range(3):
+            await conn.send_bytes(_generate_frame(payload))
+            reply = await conn.receive()
+            assert type(reply) is Error and reply.code == "bad_message" and reply.stream == 7, reply
+            assert field in reply.message and not reply.fatal
+        await conn.send(Generate(7, [1, 2], SamplingParams(max_tokens=2)))
+        message = await conn.receive()
+        while not (type(message) is Output and message.finished):
+            assert type(message) is not Error, message
+            message = await conn.receive()
+        await conn.aclose()
+        await settled(server)
+
+
+async def test_a_bad_generate_reusing_a_live_id_does_not_end_the_live_stream():
+    async with open_server(engine_config(SLOW_STEP), server_config()) as server:
+        conn = await RawConnection.greeted(server)
+        await conn.send(Generate(5, [1], SamplingParams(max_tokens=40, ignore_eos=True)))
+        await conn.send_bytes(_generate_frame({"stream": 5, "prompt": [1], "x": 1}))
+        errors, last = [], None
+        while last is None:
+            message = await conn.receive()
+            if type(message) is Error:
+                errors.append(message)
+            elif type(message) is Output and message.finished:
+                last = message
+        assert [(e.code, e.stream) for e in errors] == [("bad_message", None)]
+        assert last.stream == 5 and last.num_tokens == 40 and last.finish_reason == "length"
+        await conn.aclose()
+
+
+async def test_a_generate_without_a_readable_stream_still_counts_as_malformed():
+    async with open_server(engine_config(), server_config(max_protocol_errors=1)) as server:
+        conn = await RawConnection.greeted(server)
+        await conn.send_bytes(_generate_frame({"prompt": [1]}))
+        await conn.send_bytes(_generate_frame({"stream": -1, "prompt": [1]}))
+        replies = await conn.receive_all()
+        assert [(r.code, r.stream, r.fatal) for r in replies] == [
+            ("bad_message", None, False), ("too_many_protocol_errors", None, True)]
+
+
+async def test_aborts_from_disconnects_are_counted_in_stats_and_metrics_alike():
+    from test_metrics import scrape, value
+
+    config = server_config(metrics_port=0)
+    async with open_server(engine_config(SLOW_STEP), config) as server:
+        for _ in range(3):
+            async with open_client(server.tcp_address, timeout_s=WAIT_S) as client:
+                streams = [await client.generate([1, 2], max_tokens=500, ignore_eos=True)
+                           for _ in range(2)]
+                for stream in streams:
+                    await stream.__anext__()
+            # Leaving the block disconnects with both streams running.
+        async with open_client(server.tcp_address, timeout_s=WAIT_S) as client:
+            await client.complete([3], max_tokens=2)
+        await settled(server)
+        samples = await scrape(server)
+        reasons = server.engine.stats().completed_by_reason
+        assert reasons == {"abort": 6, "length": 1}
+        for reason, count in reasons.items():
+            assert value(samples, "cadence_requests_finished_total", reason=reason) == count
+
+
+async def test_the_outbox_holds_at_most_its_frames_and_bytes():
+    outbox = Outbox(capacity=4, max_bytes=100)
+    await outbox.put(b"x" * 60)
+    with trio.move_on_after(0.05) as blocked:
+        await outbox.put(b"y" * 60)  # 120 bytes would pass the bound
+    assert blocked.cancelled_caught and len(outbox) == 1
+    await outbox.put(b"z" * 40)
+    frames, num_counted, num_bytes = await outbox.take()
+    assert (frames, num_counted, num_bytes) == ([b"x" * 60, b"z" * 40], 2, 100)
+    outbox.release(num_counted, num_bytes)
+    await outbox.put(b"w" * 500)  # one frame always fits an empty outbox
+    assert outbox.num_bytes == 500
+
+
+async def test_health_answers_while_a_client_never_reads():
+    config = server_config(send_timeout_s=0.5, output_queue_frames=4, output_queue_bytes=4096)
+    async with open_server(engine_config(SLOW_STEP), config) as server:
+        hog = await RawConnection.greeted(server, rcvbuf=4096)
+        for sid in range(16):
+            await hog.send(Generate(sid, [1] * 8, SamplingParams(max_tokens=5000, ignore_eos=True)))
+        await wait_until(lambda: server.engine.core.num_running == 16, what="hog running")
+        other = await RawConnection.greeted(server)
+        await other.send(HealthQuery(1))
+        assert type(await other.receive()) is HealthReply
+        # The hog is evicted for not reading; its requests are aborted.
+        await wait_until(lambda: len(server.connections) == 1, what="hog evicted")
+        await settled(server)
+        await other.aclose()
+        await hog.aclose()
+
+
+@pytest.mark.parametrize("sharing", ["tenant", "global"])
+async def test_a_tenant_cannot_probe_another_tenants_prompt_through_the_prefix_cache(sharing):
+    # The secret shares its first two blocks with a public preamble; a prober
+    # compares a right and a wrong guess of the rest (each from a tenant of its
+    # own, so neither probe is helped by the other).
+    preamble, secret, wrong = [5] * 32, list(range(40, 136)), list(range(140, 236))
+    engine = engine_config(block_size=16, prefix_cache_sharing=sharing)
+    async with open_server(engine, server_config()) as server:
+        async with open_client(server.tcp_address, timeout_s=WAIT_S) as client:
+
+            async def cached(prompt: list[int], tenant: str) -> int:
+                stream = await client.generate(prompt, max_tokens=1, tenant=tenant)
+                return (await stream.collect()).num_cached_tokens
+
+            await cached(preamble + secret, "victim")
+            right_guess = await cached(preamble + secret, "prober-1")
+            wrong_guess = await cached(preamble + wrong, "prober-2")
+            victim_again = await cached(preamble + secret, "victim")
+        await settled(server)
+    assert victim_again == 112  # a tenant still shares with itself
+    if sharing == "tenant":
+        assert right_guess == wrong_guess == 0
+    else:
+        assert (right_guess, wrong_guess) == (112, 32)
