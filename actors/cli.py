@@ -12,7 +12,6 @@ its traceback.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 from typing import Sequence
@@ -28,7 +27,7 @@ from cadence.statemachine.sampling import SamplingParams
 
 from . import bench
 from .serve import server
-from .engine import EXECUTOR_KINDS, EngineConfig, open_engine
+from .engine import EXECUTOR_KINDS, EngineConfig, open_engine, resolve_model
 from .simulated import ZERO_LATENCY, LatencyModel
 
 __all__ = ["main", "run_demo", "DemoConfig"]
@@ -64,7 +63,7 @@ async def _demo(config: DemoConfig, out) -> None:
     start = trio.current_time()
     engine_config = EngineConfig(
         scheduler=SchedulerConfig(max_batch_size=config.max_batch_size, policy=config.policy),
-        cache=CacheConfig(num_blocks=1024, block_size=16), seed=config.seed)
+        cache=CacheConfig(num_blocks=1024, block_size=16), executor="simulated", seed=config.seed)
 
     def on_step(plan: StepPlan, now_s: float) -> None:
         print(_format_batch(plan, now_s - start), file=out)
@@ -92,17 +91,6 @@ def run_demo(config: DemoConfig = DemoConfig(), out=None) -> None:
     out = out if out is not None else sys.stdout
     clock = None if config.real_time else trio.testing.MockClock(autojump_threshold=0)
     trio.run(_demo, config, out, clock=clock)
-
-
-def demo_model_dir() -> str:
-    """The built-in demo model shipped inside the package (found without importing torch)."""
-    spec = importlib.util.find_spec("cadence.gpu")
-    return os.path.join(list(spec.submodule_search_locations)[0], "demo_model")
-
-
-def resolve_model(model: str) -> str:
-    """'demo' is the built-in demo model; anything else is kept as given."""
-    return demo_model_dir() if model == "demo" else model
 
 
 async def _generate(args, out) -> None:

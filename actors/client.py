@@ -37,6 +37,7 @@ from cadence.statemachine.errors import CadenceError, ConfigError
 from cadence.statemachine.sampling import SamplingParams
 
 from .request_actor import join_logprobs
+from .unwrap import unwrapping
 from .wire import (
     MAX_REPLY_FRAME_BYTES, Abort, Accepted, ClientTimeoutError, ConnectionClosedError, Error,
     FrameBuffer, Generate, HealthQuery, HealthReply, Hello, MessageError, Output, ServerError,
@@ -673,6 +674,7 @@ class AsyncClient(_AsyncClientCalls):
         await self.stream.aclose()
 
 
+@unwrapping
 @asynccontextmanager
 async def open_client(address: Address, *, token: str | None = None,
                       timeout_s: float = DEFAULT_TIMEOUT_S,

@@ -12,6 +12,8 @@ still live (its consumers get `EngineClosedError`) and shuts the executor down.
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import os
 import random
 from contextlib import asynccontextmanager
@@ -42,10 +44,18 @@ from .validation import (
     DEFAULT_MAX_STOP_CHARS, DEFAULT_MAX_STOP_STRINGS, Prompt, RequestLimits, check_token_ids,
     validate_request,
 )
+from .unwrap import unwrap_sole_error
 
-__all__ = ["EngineConfig", "Engine", "RequestStream", "open_engine", "EXECUTOR_KINDS"]
+__all__ = ["EngineConfig", "Engine", "RequestStream", "open_engine", "EXECUTOR_KINDS",
+           "DEMO_MODEL", "demo_model_dir", "resolve_model"]
+
+logger = logging.getLogger(__name__)
 
 EXECUTOR_KINDS = ("simulated", "inprocess", "process")
+# The name of the built-in demo model, the default everywhere.
+DEMO_MODEL = "demo"
+# The model name that selects the simulated executor when no executor is named.
+SIMULATED_MODEL = "simulated"
 # The ids the simulated executor draws from when it is paired with the byte
 # tokenizer: printable ASCII, so demo output reads as text.
 _PRINTABLE_IDS = tuple(range(32, 127))
@@ -76,6 +86,22 @@ def _optional_positive(instance, attribute, value) -> None:
         _positive(instance, attribute, value)
 
 
+def demo_model_dir() -> str:
+    """The built-in demo model shipped inside the package (found without importing torch)."""
+    spec = importlib.util.find_spec("cadence.gpu")
+    return os.path.join(list(spec.submodule_search_locations)[0], "demo_model")
+
+
+def resolve_model(model: str) -> str:
+    """'demo' is the built-in demo model's directory; anything else is kept as given."""
+    return demo_model_dir() if model == DEMO_MODEL else model
+
+
+def _default_executor(config: EngineConfig) -> str:
+    # Naming the simulated model names the simulated executor; every other model runs for real.
+    return "simulated" if config.model == SIMULATED_MODEL else "inprocess"
+
+
 def _executor_kind(instance, attribute, value) -> None:
     if isinstance(value, str):
         if value not in EXECUTOR_KINDS:
@@ -91,10 +117,13 @@ class EngineConfig:
 
     scheduler, cache: the core's configuration (the cache size is replaced by
       what the executor reports at start-up).
-    executor: "simulated" (latency model, no weights), "inprocess" (model runner
-      in a worker thread), "process" (in a child process), or a ready
-      `ExecutorBackend` instance (tests pass a SimulatedExecutor with faults).
-    model, dtype, device, executor_options: passed to the executor in InitExecutor.
+    model: "demo" (the built-in demo model, the default), a checkpoint directory,
+      a preset name (random weights), or "simulated" (no model at all).
+    executor: "inprocess" (model runner in a worker thread; the default),
+      "process" (in a child process), "simulated" (latency model, no weights;
+      the default only for model="simulated"), or a ready `ExecutorBackend`
+      instance (tests pass a SimulatedExecutor with faults).
+    dtype, device, executor_options: passed to the executor in InitExecutor.
     latency: the simulated executor's latency model.
     tokenizer: encodes text prompts and detokenises output; the simulated
       executor defaults to a byte-level tokenizer. Without one, prompts must be
@@ -119,8 +148,9 @@ class EngineConfig:
 
     scheduler: SchedulerConfig = attrs.field(factory=SchedulerConfig)
     cache: CacheConfig = attrs.field(factory=CacheConfig)
-    executor: Union[str, ExecutorBackend] = attrs.field(default="simulated", validator=_executor_kind)
-    model: str = "simulated"
+    model: str = DEMO_MODEL
+    executor: Union[str, ExecutorBackend] = attrs.field(
+        default=attrs.Factory(_default_executor, takes_self=True), validator=_executor_kind)
     dtype: str = "auto"
     device: str = "auto"
     executor_options: Mapping[str, OptionValue] = attrs.field(factory=dict)
@@ -267,6 +297,7 @@ class RequestStream:
             finish_s=last.now_s,
             num_cached_tokens=last.num_cached_tokens,
             logprobs=join_logprobs(logprobs),
+            prompt=self._submission[0] if isinstance(self._submission[0], str) else None,
         )
 
     def __del__(self) -> None:
@@ -393,6 +424,9 @@ class Engine:
             params = self._validate(submission)
         if token_ids is None:
             token_ids = self._encode(prompt) if isinstance(prompt, str) else list(prompt)
+        # max_tokens=None: whatever room max_model_len leaves (at least one, so that a prompt
+        # that fills it is refused by the core with the lengths named).
+        params = params.bounded(max(1, self.core.config.max_model_len - len(token_ids)))
         if request_id is None:
             request_id = f"req-{self._num_ids}"
             self._num_ids += 1
@@ -413,6 +447,16 @@ class Engine:
         token_ids = list(self.tokenizer.encode(prompt))
         check_token_ids("prompt", token_ids, self.vocab_size)
         return token_ids
+
+
+def _fit_model_len(sched_config: SchedulerConfig, model_len: int) -> SchedulerConfig:
+    """The scheduler config limited to the longest sequence the model computes exactly
+    (a small model's position limit is below the default max_model_len)."""
+    if model_len >= sched_config.max_model_len:
+        return sched_config
+    logger.info("max_model_len %d is past what the model computes exactly; using %d",
+                sched_config.max_model_len, model_len)
+    return attrs.evolve(sched_config, max_model_len=model_len)
 
 
 def _make_backend(config: EngineConfig, tokenizer: Tokenizer | None) -> ExecutorBackend:
@@ -440,22 +484,39 @@ async def open_engine(config: EngineConfig | None = None, *,
                       on_step: StepListener | None = None) -> AsyncIterator[Engine]:
     """Start an engine for the duration of an `async with` block.
 
-    on_step(plan, now_s) is called with every non-empty step plan when it is
-    made (a plan made ahead goes to the executor after the step in flight); the
-    CLI's demo prints batches with it.
+    Without a config the built-in demo model runs in this process. on_step(plan,
+    now_s) is called with every non-empty step plan when it is made (a plan made
+    ahead goes to the executor after the step in flight); the CLI's demo prints
+    batches with it. An error comes out as itself, not inside an exception group.
     """
-    config = config if config is not None else EngineConfig()
-    tokenizer = config.tokenizer
-    if tokenizer is None and config.executor == "simulated":
-        tokenizer = ByteTokenizer()
-    elif tokenizer is None and os.path.isfile(os.path.join(config.model, "tokenizer.json")):
+    with unwrap_sole_error():
+        async with _run_engine(config if config is not None else EngineConfig(), on_step) as engine:
+            yield engine
+
+
+def _tokenizer_for(config: EngineConfig, model_dir: str) -> Tokenizer | None:
+    if config.tokenizer is not None:
+        return config.tokenizer
+    if config.executor == "simulated":
+        return ByteTokenizer()
+    if os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
         # A checkpoint directory brings its own tokenizer.
         from cadence.gpu.tokenizer import Tokenizer as CheckpointTokenizer
-        tokenizer = CheckpointTokenizer.from_pretrained(config.model)
+        return CheckpointTokenizer.from_pretrained(model_dir)
+    return None
+
+
+@asynccontextmanager
+async def _run_engine(config: EngineConfig, on_step: StepListener | None) -> AsyncIterator[Engine]:
+    model_dir = resolve_model(config.model)
+    if config.executor == "simulated":
+        logger.warning("simulated executor: no model runs; outputs are random tokens from a "
+                       "latency model (pass executor='inprocess' and a model to run one)")
+    tokenizer = _tokenizer_for(config, model_dir)
     backend = _make_backend(config, tokenizer)
     sched_config, cache = config.scheduler, config.cache
     init = InitExecutor(
-        model=config.model, dtype=config.dtype, device=config.device,
+        model=model_dir, dtype=config.dtype, device=config.device,
         num_blocks=cache.num_blocks, block_size=cache.block_size,
         max_model_len=sched_config.max_model_len,
         max_num_batched_tokens=sched_config.max_num_batched_tokens,
@@ -482,6 +543,7 @@ async def open_engine(config: EngineConfig | None = None, *,
             check_token_ids("eos_token_ids", ready.eos_token_ids, ready.vocab_size)
         except InvalidRequestError as exc:
             raise ExecutorError(f"the executor reports {exc}") from None
+        sched_config = _fit_model_len(sched_config, ready.max_model_len)
         core = Scheduler(sched_config, attrs.evolve(cache, num_blocks=ready.num_blocks))
         async with trio.open_nursery() as nursery:
             scheduler = SchedulerActor(

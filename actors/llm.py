@@ -1,7 +1,10 @@
-"""`LLM`: synchronous, offline generation over the whole engine.
+"""Offline batch generation without Trio, with vLLM's names:
 
-    llm = LLM(max_num_seqs=8)
-    results = llm.generate(["Hello", "World"], SamplingParams(max_tokens=16))
+    from cadence.actors import LLM, SamplingParams
+
+    llm = LLM(model="demo", max_num_seqs=8)
+    outputs = llm.generate(["def ", "class "], SamplingParams(max_tokens=16))
+    print(outputs[0].outputs[0].text)
 
 The engine (and its executor, with the model's weights) starts on the first
 `generate` in a background thread with its own Trio run, and serves every
@@ -13,11 +16,12 @@ queue was full) and collects the finished requests.
 from __future__ import annotations
 
 import sys
-from typing import Sequence, Union
+from typing import Any, Mapping, Sequence, Union
 
+import attrs
 import trio
 
-from cadence.statemachine.errors import ConfigError, QueueFullError
+from cadence.statemachine.errors import ConfigError, InvalidRequestError, QueueFullError
 from cadence.statemachine.sampling import SamplingParams
 from cadence.statemachine.stats import StatsSummary
 
@@ -26,9 +30,78 @@ from .engine import Engine, EngineConfig, open_engine
 from .request_actor import RequestResult
 from .trio_thread import TrioThread
 
-__all__ = ["LLM"]
+__all__ = ["LLM", "VLLM_OPTIONS"]
 
 Prompt = Union[str, Sequence[int]]
+# vLLM's prompt shapes: text, token ids, {"prompt": text} or {"prompt_token_ids": ids}.
+PromptLike = Union[str, Sequence[int], Mapping[str, Any]]
+_PROMPT_SHAPES = ("a str, a list of token ids, {'prompt': str}, {'prompt_token_ids': [int, ...]}, "
+                  "or a list of these")
+
+# vLLM's `LLM(...)` keywords and the Cadence option each one sets: an EngineConfig,
+# SchedulerConfig or CacheConfig field (given to EngineConfig.from_kwargs), or, after
+# "executor_options.", an option of the model executor. Cadence's own names work as well.
+VLLM_OPTIONS: dict[str, str] = {
+    "model": "model",
+    "tensor_parallel_size": "executor_options.tp",
+    "gpu_memory_utilization": "executor_options.gpu_memory_utilization",
+    "max_model_len": "max_model_len",
+    "dtype": "dtype",
+    "seed": "seed",
+    "device": "device",
+    "max_num_seqs": "max_num_seqs",
+    "max_num_batched_tokens": "max_num_batched_tokens",
+    "enable_prefix_caching": "enable_prefix_caching",
+    "enable_chunked_prefill": "enable_chunked_prefill",
+    "block_size": "block_size",
+    "num_gpu_blocks_override": "num_blocks",
+}
+_EXECUTOR_OPTION = "executor_options."
+
+
+def engine_config_from_options(**kwargs: Any) -> EngineConfig:
+    """An EngineConfig from vLLM's keywords (VLLM_OPTIONS) and Cadence's own."""
+    options: dict[str, Any] = {}
+    executor_options = dict(kwargs.pop("executor_options", None) or {})
+    for key, value in kwargs.items():
+        target = VLLM_OPTIONS.get(key, key)
+        if target.startswith(_EXECUTOR_OPTION):
+            executor_options[target[len(_EXECUTOR_OPTION):]] = value
+        elif target in options:
+            raise ConfigError(f"option {target!r} given twice (once as {key!r})")
+        else:
+            options[target] = value
+    if executor_options:
+        options["executor_options"] = executor_options
+    return EngineConfig.from_kwargs(**options)
+
+
+def _prompt_of(item: Any) -> tuple[Prompt, str | None]:
+    """(what the engine takes, the prompt text or None) for one prompt, or a clear error."""
+    if isinstance(item, str):
+        return item, item
+    if isinstance(item, Mapping):
+        if isinstance(item.get("prompt_token_ids"), Sequence) and not isinstance(item["prompt_token_ids"], str):
+            return list(item["prompt_token_ids"]), item.get("prompt")
+        if isinstance(item.get("prompt"), str):
+            return item["prompt"], item["prompt"]
+        raise InvalidRequestError(f"a prompt dict needs 'prompt' (str) or 'prompt_token_ids' "
+                                  f"(list of int), got keys {sorted(item)}")
+    if isinstance(item, Sequence) and item and all(type(t) is int for t in item):
+        return list(item), None
+    raise InvalidRequestError(f"each prompt must be {_PROMPT_SHAPES}; got {type(item).__name__} "
+                              f"{item!r:.60}")
+
+
+def _prompt_list(prompts: Any) -> list[tuple[Prompt, str | None]]:
+    """Every prompt of a call: one prompt of any shape, or a list of them."""
+    single = isinstance(prompts, (str, Mapping)) or (
+        isinstance(prompts, Sequence) and bool(prompts) and type(prompts[0]) is int)
+    if single:
+        return [_prompt_of(prompts)]
+    if not isinstance(prompts, Sequence):
+        raise InvalidRequestError(f"prompts must be {_PROMPT_SHAPES}; got {type(prompts).__name__}")
+    return [_prompt_of(item) for item in prompts]
 
 
 class _NoBar:
@@ -54,14 +127,22 @@ def _progress_bar(total: int, enabled: bool):
 class LLM:
     """Offline batch generation with a synchronous API.
 
-    Pass an `EngineConfig`, or its fields as keywords (SchedulerConfig and
-    CacheConfig fields are accepted flat, e.g. `LLM(max_num_seqs=8)`).
+    Pass a model (`LLM("demo")`, `LLM(model="path/to/hf_dir")`; the built-in
+    demo model by default), an `EngineConfig`, or options as keywords: vLLM's
+    names (VLLM_OPTIONS: tensor_parallel_size, gpu_memory_utilization,
+    max_model_len, dtype, seed, ...) or any EngineConfig, SchedulerConfig or
+    CacheConfig field (e.g. `LLM(max_num_seqs=8)`, `LLM(executor="simulated")`).
     """
 
-    def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
+    def __init__(self, model: str | EngineConfig | None = None, *,
+                 config: EngineConfig | None = None, **kwargs: Any) -> None:
+        if isinstance(model, EngineConfig):
+            model, config = None, model if config is None else config
+        if model is not None:
+            kwargs["model"] = model
         if config is not None and kwargs:
             raise ConfigError("pass either an EngineConfig or keyword options, not both")
-        self.config = config if config is not None else EngineConfig.from_kwargs(**kwargs)
+        self.config = config if config is not None else engine_config_from_options(**kwargs)
         self.last_stats: StatsSummary | None = None
         self._host: TrioThread[Engine] | None = None
 
@@ -97,23 +178,35 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
+        prompts: PromptLike | Sequence[PromptLike],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestResult]:
-        """Generate for every prompt; results come back in the prompts' order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        """Generate for every prompt; results come back in the prompts' order.
+
+        prompts: one prompt or a list; each is text, token ids, {"prompt": text}
+        or {"prompt_token_ids": ids}. sampling_params (or `params`): one for all
+        prompts or one per prompt. Each result answers to vLLM's names
+        (`result.outputs[0].text`) and to Cadence's (`result.text`).
+        """
+        if params is not None and sampling_params is not None:
+            raise ConfigError("pass sampling_params or params, not both")
+        params = sampling_params if sampling_params is not None else params
+        items = _prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
-            per_prompt = [params or SamplingParams()] * len(prompts)
+            per_prompt = [params or SamplingParams()] * len(items)
         else:
             per_prompt = list(params)
-            if len(per_prompt) != len(prompts):
-                raise ConfigError(f"{len(prompts)} prompts but {len(per_prompt)} SamplingParams")
+            if len(per_prompt) != len(items):
+                raise ConfigError(f"{len(items)} prompts but {len(per_prompt)} SamplingParams")
         host, engine = self._engine()
-        return host.run(self._generate, engine, prompts, per_prompt, use_tqdm)
+        results = host.run(self._generate, engine, [prompt for prompt, _ in items], per_prompt,
+                           use_tqdm)
+        # A token-id prompt that came with its text keeps that text as `prompt`.
+        return [result if text is None or result.prompt is not None else attrs.evolve(result, prompt=text)
+                for result, (_, text) in zip(results, items)]
 
     def chat(
         self,

@@ -40,7 +40,8 @@ from cadence.statemachine.sampling import SamplingParams
 
 from .detokenizer import TextAssembler
 
-__all__ = ["RequestOutput", "RequestResult", "RequestActor"]
+__all__ = ["RequestOutput", "RequestResult", "RequestActor", "CompletionOutput", "Logprob",
+           "RequestMetrics"]
 
 _RUNNING = RequestState.RUNNING
 _FAIL = RequestEventKind.FAIL
@@ -85,8 +86,65 @@ class RequestOutput(NamedTuple):
 
 
 @attrs.frozen
+class Logprob:
+    """One candidate token's log-probability at a position; rank 1 is the most likely."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@attrs.frozen
+class CompletionOutput:
+    """One completion of a request, with the attribute names vLLM users know.
+
+    logprobs: per generated token, {token id: Logprob} for the sampled token and
+    the top alternatives (None unless the request asked for logprobs);
+    cumulative_logprob: the sum of the sampled tokens' logprobs (None likewise).
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None
+    stop_reason: str | None = None
+
+    def finished(self) -> bool:
+        """Whether the completion has ended."""
+        return self.finish_reason is not None
+
+
+@attrs.frozen
+class RequestMetrics:
+    """A finished request's times (Trio clock seconds) and prefix-cache hits."""
+
+    arrival_time: float
+    first_token_time: float | None
+    finished_time: float
+    num_cached_tokens: int
+
+
+def _candidates(entry: list[tuple[int, float]] | None) -> dict[int, Logprob] | None:
+    """vLLM's per-position shape from (token id, logprob) pairs, the sampled token first."""
+    if entry is None:
+        return None
+    (sampled, sampled_logprob), alternatives = entry[0], entry[1:]
+    out = {token: Logprob(logprob, rank) for rank, (token, logprob) in enumerate(alternatives, 1)}
+    if sampled not in out:
+        rank = 1 + sum(1 for _, logprob in alternatives if logprob > sampled_logprob)
+        out = {sampled: Logprob(sampled_logprob, rank), **out}
+    return out
+
+
+@attrs.frozen
 class RequestResult:
-    """A finished request as a whole: every token and all of its text."""
+    """A finished request as a whole: every token and all of its text.
+
+    It also answers to vLLM's `RequestOutput` names: `prompt`,
+    `prompt_token_ids`, `outputs` (one `CompletionOutput`), `finished`, `metrics`.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -99,6 +157,29 @@ class RequestResult:
     finish_s: float
     num_cached_tokens: int
     logprobs: list[list[tuple[int, float]]] | None = None
+    prompt: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Always true: a result is built once its request has ended."""
+        return True
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """The request's one completion, in vLLM's shape."""
+        logprobs = cumulative = None
+        if self.logprobs is not None:
+            logprobs = [_candidates(entry) for entry in self.logprobs]
+            cumulative = sum(entry[0][1] for entry in self.logprobs if entry is not None)
+        return [CompletionOutput(
+            index=0, text=self.text if self.text is not None else "", token_ids=list(self.token_ids),
+            cumulative_logprob=cumulative, logprobs=logprobs, finish_reason=self.finish_reason,
+            stop_reason=self.detail or None)]
+
+    @property
+    def metrics(self) -> RequestMetrics:
+        """Arrival, first-token and finish times, and prefix-cache hits."""
+        return RequestMetrics(self.arrival_s, self.first_token_s, self.finish_s, self.num_cached_tokens)
 
 
 class RequestActor:

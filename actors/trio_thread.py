@@ -8,7 +8,8 @@ synchronous programs can use it across many calls.
 
 The resource stays open until `stop()` (or until `until(resource)`, when
 given, returns by itself); an error raised while opening it is raised by
-`start()`, one raised while closing it by `stop()`.
+`start()`, one raised while closing it by `stop()`. Errors come out as
+themselves, not inside an exception group.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any, Awaitable, Callable, Generic, TypeVar
 
 import trio
+
+from .unwrap import sole_error, unwrap_sole_error
 
 T = TypeVar("T")
 
@@ -53,7 +56,8 @@ class TrioThread(Generic[T]):
 
     def run(self, async_fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
         """Run `async_fn(*args)` in the Trio thread and return its result (or raise)."""
-        return trio.from_thread.run(async_fn, *args, trio_token=self._token)
+        with unwrap_sole_error():
+            return trio.from_thread.run(async_fn, *args, trio_token=self._token)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run the synchronous `fn(*args)` in the Trio thread and return its result."""
@@ -75,7 +79,7 @@ class TrioThread(Generic[T]):
         try:
             trio.run(self._host)
         except BaseException as exc:  # surfaced to the caller by start() or stop()
-            self._error = exc
+            self._error = sole_error(exc)
         finally:
             self._ready.set()
 

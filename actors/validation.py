@@ -100,20 +100,22 @@ def validate_request(
     _check_options(priority, tenant, deadline_s, timeout_s, cache_salt)
     if prompt is None:
         return params
+    # max_tokens=None asks for whatever room the prompt leaves: at least one token must fit.
+    num_output = 1 if params.max_tokens is None else params.max_tokens
     if isinstance(prompt, str):
         if not limits.has_tokenizer:
             raise InvalidRequestError("prompt: text prompts need a tokenizer; this engine has "
                                       "none, send token ids instead")
         if not prompt:
             raise InvalidRequestError("prompt must not be empty")
-        check_prompt_bytes(prompt, params.max_tokens, limits)
+        check_prompt_bytes(prompt, num_output, limits)
     else:
         if isinstance(prompt, (bytes, bytearray, dict)) or not isinstance(prompt, Sequence):
             raise InvalidRequestError(f"prompt must be a str or a list of token ids, "
                                       f"got {type(prompt).__name__}")
         if len(prompt) == 0:
             raise InvalidRequestError("prompt must hold at least one token")
-        _check_fits(len(prompt), params.max_tokens, limits.max_model_len)
+        _check_fits(len(prompt), num_output, limits.max_model_len)
         check_token_ids("prompt", prompt, limits.vocab_size)
     return params
 

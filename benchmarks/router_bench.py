@@ -42,7 +42,7 @@ VOCAB = 256
 
 
 def _engine() -> EngineConfig:
-    return EngineConfig.from_kwargs(latency=ZERO_LATENCY, max_num_seqs=64, num_blocks=8192,
+    return EngineConfig.from_kwargs(executor="simulated", latency=ZERO_LATENCY, max_num_seqs=64, num_blocks=8192,
                                     max_model_len=4096, max_num_batched_tokens=8192)
 
 

@@ -34,7 +34,7 @@ async def main() -> None:
     """Run the 15 requests and print what happened."""
     config = EngineConfig(
         scheduler=SchedulerConfig(max_batch_size=MAX_BATCH_SIZE),
-        cache=CacheConfig(num_blocks=256, block_size=16))
+        cache=CacheConfig(num_blocks=256, block_size=16), executor="simulated")
     async with open_engine(config, on_step=show_step) as engine:
         # Hand every request over before the first step, in order: they all arrive at once.
         streams = [

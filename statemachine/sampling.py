@@ -75,7 +75,7 @@ def _as_float(field: str, value: object) -> float:
 # field -> (kind, low, high, the range as a reader sees it); "int?" allows None.
 # Checked in this order; max_tokens comes first so min_tokens can refer to it.
 SAMPLING_RANGES: dict[str, tuple[str, float, float, str]] = {
-    "max_tokens": ("int", 1, MAX_INT64, "in [1, 2^63 - 1]"),
+    "max_tokens": ("int?", 1, MAX_INT64, "None (up to max_model_len) or in [1, 2^63 - 1]"),
     "min_tokens": ("int", 0, MAX_INT64, "in [0, max_tokens]"),
     "temperature": ("float", 0.0, math.inf, f"0 (greedy) or a finite number >= {MIN_TEMPERATURE}"),
     "top_k": ("int", 0, MAX_INT64, "in [0, vocab_size] (0 disables it)"),
@@ -148,9 +148,11 @@ class SamplingParams:
     token (the sampled token's logprob always comes first). `stop` strings are
     matched on detokenised text by the request actor; a bare string is one stop
     string. Every field is checked on construction (`SAMPLING_RANGES`).
+    `max_tokens=None` means up to the engine's max_model_len (the engine fills it
+    in per request, with `bounded`).
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
     temperature: float = 1.0
     top_k: int = 0
@@ -177,7 +179,7 @@ class SamplingParams:
             checked = _check_number(field, is_float, optional, low, high, text, value)
             if checked is not value:
                 object.__setattr__(self, field, checked)  # ints as int, reals as float
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise _refuse("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
         if 0.0 < self.temperature < MIN_TEMPERATURE:
             raise _refuse("temperature", SAMPLING_RANGES["temperature"][3], self.temperature)
@@ -191,6 +193,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Whether the next token is the most likely one (temperature 0)."""
         return self.temperature == 0.0
+
+    def bounded(self, max_tokens: int) -> SamplingParams:
+        """These parameters with `max_tokens` filled in where it is None."""
+        return self if self.max_tokens is not None else attrs.evolve(self, max_tokens=max_tokens)
 
     def limits(self, eos_token_ids: frozenset[int] | set[int] = frozenset()) -> SamplingLimits:
         """The stopping limits the scheduling core applies."""

@@ -49,6 +49,7 @@ from cadence.statemachine.errors import ConfigError
 
 from ..client import AsyncClient, AsyncStream, open_client, parse_address
 from ..framing import MAX_FRAME_BYTES
+from ..unwrap import unwrapping
 from ..validation import RequestLimits
 from ..wire import (
     DEFAULT_MAX_REQUEST_FRAME_BYTES, Accepted, ClientTimeoutError, ConnectionClosedError, Error,
@@ -976,6 +977,7 @@ class _RouterConnection(Connection):
             f"streaming; its output is incomplete ({exc})", stream=state.stream))
 
 
+@unwrapping
 @asynccontextmanager
 async def open_router(config: RouterConfig) -> AsyncIterator[Router]:
     """Run a router for the duration of an `async with` block (it is listening

@@ -48,6 +48,7 @@ from ..chat import EngineChat
 from ..engine import Engine, EngineConfig, RequestStream, open_engine
 from ..framing import MAX_FRAME_BYTES
 from ..trio_thread import TrioThread
+from ..unwrap import unwrapping
 from ..engine_args import add_engine_arguments, engine_config_from_args
 from ..wire import (
     DEFAULT_PORT, DEFAULT_MAX_REQUEST_FRAME_BYTES, Accepted, Error, ErrorCode, Generate,
@@ -423,6 +424,7 @@ class _ServerConnection(Connection):
 # Running a server.
 
 
+@unwrapping
 @asynccontextmanager
 async def open_server(engine_config: EngineConfig | None = None,
                       server_config: ServerConfig | None = None, *,

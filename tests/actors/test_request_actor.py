@@ -10,6 +10,7 @@ import trio.testing
 
 from cadence.actors.detokenizer import ByteTokenizer, TextAssembler
 from cadence.actors.request_actor import RequestActor
+from cadence.actors.unwrap import unwrap_sole_error
 from cadence.statemachine.errors import ExecutorError, IllegalTransition
 from cadence.statemachine.fsm import FinishReason, RequestEventKind as E
 from cadence.statemachine.plan import RequestEvent
@@ -45,7 +46,7 @@ async def drain(actor) -> list:
 ])
 async def test_an_illegal_event_sequence_raises(events):
     actor = make_actor([])
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalTransition), unwrap_sole_error():
         async with trio.open_nursery() as nursery:
             nursery.start_soon(actor.run)
             for event in events:
@@ -56,7 +57,7 @@ async def test_an_illegal_event_sequence_raises(events):
 
 async def test_events_after_completion_raise():
     actor = make_actor([])
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalTransition), unwrap_sole_error():
         async with trio.open_nursery() as nursery:
             nursery.start_soon(actor.run)
             actor.deliver(RequestEvent("r", E.ABORT, (), FinishReason.ABORT))
