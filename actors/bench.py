@@ -1,11 +1,11 @@
 """`cadence bench`: replay a workload against a server or an embedded engine and
 report serving latencies.
 
-Workloads: `nano-vllm`, the exact workload of nano-vllm's bench.py
-(benchmarks/nano_workload.py: 256 requests, prompt and output lengths uniform
-in [100, 1024], 133,966 output tokens); the presets of benchmarks/workloads.py
-(`nano`, the same shape drawn by that generator, `poisson`, `prefix`,
-`overload`); or a JSON-lines trace in the workloads.py format. Every request
+Workloads (cadence.actors.workloads): `nano-vllm`, the exact workload of
+nano-vllm's bench.py (256 requests, prompt and output lengths uniform in
+[100, 1024], 133,966 output tokens); the trace presets (`nano`, the same
+shape drawn by the trace generator, `poisson`, `prefix`, `overload`); or a
+JSON-lines trace in the presets' format. Every request
 asks for exactly its output length (EOS ignored). Arrivals follow
 `--request-rate` (Poisson, seeded) or all come at once.
 
@@ -19,13 +19,11 @@ and goodput: requests per second that met every SLO given.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
 import random
 import sys
-from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 import attrs
@@ -34,6 +32,7 @@ import trio
 from cadence.statemachine.errors import CadenceError, ConfigError
 from cadence.statemachine.sampling import SamplingParams
 
+from . import workloads
 from .client import AsyncClient, open_client
 from .engine import Engine, open_engine
 from .engine_args import add_engine_arguments, engine_config_from_args
@@ -55,7 +54,6 @@ __all__ = [
     "run_bench",
 ]
 
-_BENCHMARKS_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
 NANO_VLLM = "nano-vllm"
 _DEFAULT_PERCENTILES = (50.0, 90.0, 99.0)
 # Streams per connection when the benchmark opens several (the server's default
@@ -131,48 +129,24 @@ class BenchResult:
 # ---- workloads -------------------------------------------------------------------------------
 
 
-def _benchmarks_module(filename: str):
-    """A module of the repository's benchmarks/ folder (not part of the package)."""
-    path = _BENCHMARKS_DIR / filename
-    if not path.exists():
-        raise ConfigError(f"workload presets need {path} (a source checkout); "
-                          "pass a JSON-lines trace file instead")
-    spec = importlib.util.spec_from_file_location(f"cadence_bench_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def load_workload(name: str, num_requests: int | None = None) -> list[BenchRequest]:
-    """The requests of `nano-vllm`, a workloads.py preset or a .jsonl trace, in arrival order."""
+    """The requests of `nano-vllm`, a trace preset or a .jsonl trace, in arrival order."""
     if name == NANO_VLLM:
-        workload = _benchmarks_module("nano_workload.py").nano()
+        workload = workloads.nano()
         if num_requests is not None:
             workload = workload.head(num_requests)
         return [BenchRequest(list(p), o) for p, o in zip(workload.prompts, workload.output_lens)]
-    presets = _benchmarks_module("workloads.py")
     if name.endswith(".jsonl"):
-        records = _read_trace(name)
-    elif name in presets.PRESETS:
-        records = presets.generate(name)
+        records = workloads.load(name)
+    elif name in workloads.PRESETS:
+        records = workloads.generate(name)
     else:
         raise ConfigError(f"unknown workload {name!r}; choose from {NANO_VLLM}, "
-                          f"{', '.join(presets.PRESETS)} or give a .jsonl trace")
+                          f"{', '.join(workloads.PRESETS)} or give a .jsonl trace")
     if num_requests is not None:
         records = records[:num_requests]
-    return [BenchRequest(presets.prompt_tokens(r), r["output_len"], r.get("priority", 0))
+    return [BenchRequest(workloads.prompt_tokens(r), r["output_len"], r.get("priority", 0))
             for r in records]
-
-
-def _read_trace(path: str) -> list[dict]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            records = [json.loads(line) for line in f if line.strip()]
-    except OSError as exc:
-        raise ConfigError(f"cannot read the trace: {exc.strerror}: {path}") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path} is not a JSON-lines trace: {exc}") from None
-    return sorted(records, key=lambda r: (r["arrival_step"], r["id"]))
 
 
 def _fit_vocab(requests: list[BenchRequest], vocab_size: int) -> tuple[list[BenchRequest], bool]:
@@ -454,7 +428,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     work = parser.add_argument_group("workload")
     work.add_argument("--workload", default=NANO_VLLM,
                       help="nano-vllm (the exact workload of nano-vllm's benchmark), nano, poisson, "
-                           "prefix, overload (benchmarks/workloads.py presets), or a .jsonl trace "
+                           "prefix, overload (trace presets), or a .jsonl trace "
                            "(default: %(default)s)")
     work.add_argument("--num-requests", type=int, default=None, help="use only the first N requests")
     work.add_argument("--request-rate", type=float, default=math.inf,

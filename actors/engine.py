@@ -271,34 +271,16 @@ class RequestStream:
             self._actor.cancel("closed by the consumer")
         await trio.lowlevel.checkpoint()
 
+    @property
+    def prompt_token_ids(self) -> list[int] | None:
+        """The prompt's token ids once submitted."""
+        return list(self._actor.request.prompt_token_ids) if self._actor is not None else None
+
     async def collect(self) -> RequestResult:
         """Consume the stream and return the request as a whole."""
-        tokens: list[int] = []
-        texts: list[str] = []
-        logprobs: list[tuple[int, list | None]] = []
-        last = None
-        async for out in self:
-            logprobs.append((len(out.token_ids), out.logprobs))
-            tokens.extend(out.token_ids)
-            if out.text is not None:
-                texts.append(out.text)
-            last = out
-        actor = self._actor
-        assert last is not None and last.finish_reason is not None
-        return RequestResult(
-            request_id=actor.request_id,
-            prompt_token_ids=list(actor.request.prompt_token_ids),
-            token_ids=tokens,
-            text="".join(texts) if last.text is not None else None,
-            finish_reason=last.finish_reason,
-            detail=last.detail,
-            arrival_s=last.arrival_s,
-            first_token_s=last.first_token_s,
-            finish_s=last.now_s,
-            num_cached_tokens=last.num_cached_tokens,
-            logprobs=join_logprobs(logprobs),
-            prompt=self._submission[0] if isinstance(self._submission[0], str) else None,
-        )
+        deltas = [out async for out in self]
+        prompt = self._submission[0]
+        return result_of(deltas, self.prompt_token_ids, prompt if isinstance(prompt, str) else None)
 
     def __del__(self) -> None:
         # Runs when a consumer breaks out of `async for` and drops the stream.
@@ -310,6 +292,28 @@ class RequestStream:
                 # A finaliser may run anywhere (after the Trio run, at interpreter exit),
                 # where there is nothing left to abort and nothing to raise to.
                 pass
+
+
+def result_of(deltas: Sequence[RequestOutput], prompt_token_ids: list[int],
+              prompt: str | None) -> RequestResult:
+    """A finished request as a whole, from every delta of its stream."""
+    last = deltas[-1]
+    assert last.finish_reason is not None, "the stream has not finished"
+    tokens = [token for out in deltas for token in out.token_ids]
+    return RequestResult(
+        request_id=last.request_id,
+        prompt_token_ids=prompt_token_ids,
+        token_ids=tokens,
+        text="".join(out.text for out in deltas if out.text is not None) if last.text is not None else None,
+        finish_reason=last.finish_reason,
+        detail=last.detail,
+        arrival_s=last.arrival_s,
+        first_token_s=last.first_token_s,
+        finish_s=last.now_s,
+        num_cached_tokens=last.num_cached_tokens,
+        logprobs=join_logprobs((len(out.token_ids), out.logprobs) for out in deltas),
+        prompt=prompt,
+    )
 
 
 class Engine:
@@ -499,7 +503,9 @@ def _tokenizer_for(config: EngineConfig, model_dir: str) -> Tokenizer | None:
         return config.tokenizer
     if config.executor == "simulated":
         return ByteTokenizer()
-    if os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+    # A ready backend (a test's simulated executor) left at the default model runs no model.
+    runs_model = isinstance(config.executor, str) or config.model != DEMO_MODEL
+    if runs_model and os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
         # A checkpoint directory brings its own tokenizer.
         from cadence.gpu.tokenizer import Tokenizer as CheckpointTokenizer
         return CheckpointTokenizer.from_pretrained(model_dir)

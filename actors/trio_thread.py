@@ -45,6 +45,12 @@ class TrioThread(Generic[T]):
         """Whether the resource is open and its thread alive."""
         return self._thread.is_alive() and self.resource is not None
 
+    @property
+    def token(self) -> trio.lowlevel.TrioToken:
+        """The Trio run's token: `token.run_sync_soon(fn)` calls `fn` there without waiting."""
+        assert self._token is not None, "start() first"
+        return self._token
+
     def start(self) -> T:
         """Start the thread, open the resource there and return it."""
         self._thread.start()
