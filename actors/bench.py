@@ -439,7 +439,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     target.add_argument("--embedded", action="store_true",
                         help="run an engine in this process (engine options below) instead of "
                              "connecting to a server")
-    target.add_argument("--host", default="127.0.0.1")
+    target.add_argument("--host", default="127.0.0.1", help="the server's address (default: %(default)s)")
     target.add_argument("--port", type=int, default=None,
                         help=f"the server's port (default: {DEFAULT_PORT}, or {DEFAULT_HTTP_PORT} with --http)")
     target.add_argument("--http", action="store_true",

@@ -12,6 +12,7 @@ its traceback.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import sys
 from typing import Sequence
@@ -27,7 +28,8 @@ from cadence.statemachine.sampling import SamplingParams
 
 from . import bench
 from .serve import server
-from .engine import EXECUTOR_KINDS, EngineConfig, open_engine, resolve_model
+from .engine import EXECUTOR_KINDS, SIMULATED_MODEL, EngineConfig, open_engine
+from .engine_args import tokenizer_for
 from .simulated import ZERO_LATENCY, LatencyModel
 
 __all__ = ["main", "run_demo", "DemoConfig"]
@@ -94,31 +96,47 @@ def run_demo(config: DemoConfig = DemoConfig(), out=None) -> None:
 
 
 async def _generate(args, out) -> None:
-    model = resolve_model(args.model)
-    simulated = model == "simulated"
-    tokenizer = None if simulated else _load_tokenizer(model)
-    executor = args.executor or ("simulated" if simulated else "inprocess")
+    simulated = args.model == SIMULATED_MODEL or args.executor == "simulated"
+    tokenizer = None if simulated else tokenizer_for(args.model)
+    prompt = _parse_prompt(args)
+    if isinstance(prompt, str) and tokenizer is None and not simulated:
+        raise UsageError(f"model {args.model!r} has no tokenizer.json; give the prompt as token "
+                         "ids with --token-ids")
     config = EngineConfig(
         scheduler=SchedulerConfig(max_model_len=args.max_model_len),
-        executor=executor, model=model, tokenizer=tokenizer,
-        device=args.device, seed=args.seed,
+        executor=args.executor or ("simulated" if simulated else "inprocess"), model=args.model,
+        tokenizer=tokenizer, dtype=args.dtype, device=args.device, seed=args.seed,
         latency=LatencyModel() if args.latency else ZERO_LATENCY)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, logprobs=args.logprobs,
                             stop=tuple(args.stop), seed=args.seed)
-    prompt = _parse_prompt(args)
-    if isinstance(prompt, str) and tokenizer is not None:
-        out.write(prompt)
     async with open_engine(config) as engine:
-        last = None
-        async for delta in engine.generate(prompt, params):
+        # Submitted first, so a refusal prints alone rather than after the echoed prompt.
+        stream = await engine.generate(prompt, params).start()
+        if isinstance(prompt, str) and tokenizer is not None:
+            out.write(prompt)
+        deltas = []
+        async for delta in stream:
             if delta.text is not None:
                 out.write(delta.text)
             else:
                 out.write(" ".join(map(str, delta.token_ids)) + " ")
             out.flush()
-            last = delta
+            deltas.append(delta)
     out.write("\n")
+    last = deltas[-1]
     print(f"[{last.num_tokens} tokens, finish: {last.finish_reason}]", file=sys.stderr)
+    if args.logprobs is not None:
+        _print_logprobs(deltas, tokenizer)
+
+
+def _print_logprobs(deltas, tokenizer) -> None:
+    """One line per generated token on stderr: its id, text, logprob and the top alternatives."""
+    for delta in deltas:
+        for token, entry in zip(delta.token_ids, delta.logprobs or ()):
+            text = repr(tokenizer.decode([token])) if tokenizer is not None else ""
+            alternatives = " ".join(f"{t}:{lp:.3f}" for t, lp in entry[1:])
+            print(f"{token:>7} {text:<12} {entry[0][1]:9.4f}  {alternatives}", file=sys.stderr)
 
 
 def _parse_prompt(args) -> str | list[int]:
@@ -128,15 +146,6 @@ def _parse_prompt(args) -> str | list[int]:
         return [int(t) for t in args.prompt.replace(",", " ").split()]
     except ValueError:
         raise UsageError(f"--token-ids: the prompt must be integers, got {args.prompt!r}") from None
-
-
-def _load_tokenizer(model: str):
-    """The tokenizer of a local model directory, or None for a preset name."""
-    if not os.path.isdir(model):
-        return None
-    # Only a real model needs the tokenizer package; the simulated paths never import it.
-    from cadence.gpu.tokenizer import Tokenizer
-    return Tokenizer.from_pretrained(model)
 
 
 def _check(argv: Sequence[str]) -> int:
@@ -151,10 +160,18 @@ def _check(argv: Sequence[str]) -> int:
     return check_main(list(argv)) or 0
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("cadence")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = argparse.ArgumentParser(
         prog="cadence", description="An LLM inference engine around a formally checked scheduler.")
+    parser.add_argument("--version", action="version", version=f"cadence {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser("demo", help="run the seed simulation on the simulated executor",
@@ -178,13 +195,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--token-ids", action="store_true", help="read the prompt as token ids: '1 2 3'")
     gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0,
+                     help="sample from the smallest set of tokens this likely (default 1: all)")
+    gen.add_argument("--top-k", type=int, default=0,
+                     help="sample from the k likeliest tokens (default 0: all)")
+    gen.add_argument("--logprobs", type=int, default=None, metavar="K",
+                     help="print each token's logprob and its K likeliest alternatives to stderr")
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
                      help="stop string (repeatable)")
     gen.add_argument("--model", default="demo",
                      help="a model directory, a preset name (random weights), 'demo' for the "
                           "built-in demo model (default), or 'simulated' for no model")
     gen.add_argument("--executor", choices=EXECUTOR_KINDS,
-                     help="where the model runs (default: inprocess with --model, else simulated)")
+                     help="where the model runs (default: inprocess; simulated for --model simulated)")
+    gen.add_argument("--dtype", default="auto",
+                     help="weights dtype: float32, bfloat16, float16 or auto (default: the "
+                          "checkpoint's on GPU, float32 on CPU)")
     gen.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     gen.add_argument("--max-model-len", type=int, default=4096, help="longest sequence (default 4096)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed")

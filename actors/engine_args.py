@@ -8,22 +8,22 @@ import os
 from cadence.statemachine.config import POLICY_NAMES, PREFIX_CACHE_SHARING, SchedulerConfig
 from cadence.statemachine.errors import ConfigError
 
-from .engine import EXECUTOR_KINDS, EngineConfig
+from .engine import DEMO_MODEL, EXECUTOR_KINDS, SIMULATED_MODEL, EngineConfig, resolve_model
 from .simulated import LatencyModel
 from .validation import DEFAULT_MAX_STOP_CHARS, DEFAULT_MAX_STOP_STRINGS
 
-__all__ = ["add_engine_arguments", "engine_config_from_args"]
+__all__ = ["add_engine_arguments", "engine_config_from_args", "tokenizer_for"]
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Options that build an EngineConfig (shared by `serve` and `bench --embedded`)."""
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", default="simulated",
-                       help="'simulated' (no weights), a preset name, or a checkpoint directory "
-                            "(default: simulated)")
+    group.add_argument("--model", default=DEMO_MODEL,
+                       help="'demo' (the built-in demo model, the default), a checkpoint directory, "
+                            "a preset name (random weights), or 'simulated' (no model at all)")
     group.add_argument("--executor", choices=EXECUTOR_KINDS, default=None,
-                       help="where the model runs (default: simulated for the simulated model, "
-                            "else inprocess)")
+                       help="where the model runs (default: inprocess; simulated for "
+                            "--model simulated)")
     group.add_argument("--dtype", default="auto", help="weights dtype (default: auto)")
     group.add_argument("--device", default="auto", help="cpu, cuda, ... (default: auto)")
     group.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
@@ -76,9 +76,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "its batch (0: free; default: a latency model of a small GPU)")
 
 
-def _tokenizer_for(model: str):
-    """The tokenizer of a local model directory, or None (simulated model, presets, or a
-    checkpoint without tokenizer.json: clients then send token ids)."""
+def tokenizer_for(model: str):
+    """The tokenizer of a local model directory ('demo' included), or None (simulated model,
+    presets, or a checkpoint without tokenizer.json: prompts are then token ids)."""
+    model = resolve_model(model)
     if not os.path.isfile(os.path.join(model, "tokenizer.json")):
         return None
     # Only a real checkpoint needs the tokenizer package; the simulated paths never import it.
@@ -89,10 +90,7 @@ def _tokenizer_for(model: str):
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the `add_engine_arguments` options describe."""
-    from .cli import resolve_model  # "demo" names the built-in model; cli builds on this module
-
-    args = argparse.Namespace(**{**vars(args), "model": resolve_model(args.model)})
-    executor = args.executor or ("simulated" if args.model == "simulated" else "inprocess")
+    executor = args.executor or ("simulated" if args.model == SIMULATED_MODEL else "inprocess")
     latency = LatencyModel()
     if args.sim_step_us is not None:
         if args.sim_step_us < 0:
@@ -107,7 +105,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         restart_backoff_max_s=args.restart_backoff_max,
         heartbeat_timeout_s=args.heartbeat_timeout or None, **queue,
         executor=executor, model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
-        tokenizer=_tokenizer_for(args.model) if executor != "simulated" else None,
+        tokenizer=tokenizer_for(args.model) if executor != "simulated" else None,
         latency=latency, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         num_blocks=args.num_blocks, block_size=args.block_size, policy=args.policy,

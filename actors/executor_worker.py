@@ -346,6 +346,12 @@ def ready_from_runner(runner: Any, init: InitExecutor) -> Ready:
     eos_token_ids = getattr(runner, "eos_token_ids", None)
     if eos_token_ids is None:
         eos_token_ids = getattr(config, "eos_token_ids", ())
+    window = getattr(config, "sliding_window", None)
+    if window is not None and window < init.max_model_len:
+        # Attention over the whole sequence equals the checkpoint's sliding window only within it.
+        raise ConfigError(f"model {init.model!r} uses sliding-window attention (sliding_window "
+                          f"{window}), which Cadence computes exactly only up to the window; "
+                          f"max_model_len {init.max_model_len} is longer: pass max_model_len <= {window}")
     max_model_len = min(init.max_model_len, getattr(runner, "max_model_len", init.max_model_len))
     return Ready(
         num_blocks=int(runner.num_blocks),

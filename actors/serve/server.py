@@ -530,25 +530,38 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                           "CADENCE_TOKEN environment variable)")
     limits = parser.add_argument_group("limits")
     defaults = ServerConfig()
-    limits.add_argument("--max-frame-bytes", type=int, default=defaults.max_frame_bytes)
-    limits.add_argument("--max-connections", type=int, default=defaults.max_connections)
+    limits.add_argument("--max-frame-bytes", type=int, default=defaults.max_frame_bytes,
+                        help="largest frame a client may send, in bytes (default: %(default)s)")
+    limits.add_argument("--max-connections", type=int, default=defaults.max_connections,
+                        help="open connections at once; more are refused (default: %(default)s)")
     limits.add_argument("--max-inflight-per-connection", type=int,
-                        default=defaults.max_inflight_per_connection)
+                        default=defaults.max_inflight_per_connection,
+                        help="live streams per connection (default: %(default)s)")
     limits.add_argument("--max-inflight-per-tenant", type=int, default=None,
                         help="live streams per tenant (default: no limit)")
-    limits.add_argument("--max-protocol-errors", type=int, default=defaults.max_protocol_errors)
+    limits.add_argument("--max-protocol-errors", type=int, default=defaults.max_protocol_errors,
+                        help="malformed messages a connection may send before it is closed "
+                             "(default: %(default)s)")
     limits.add_argument("--idle-timeout-s", type=float, default=defaults.idle_timeout_s,
                         help="close connections idle this long; 0 disables (default: %(default)s)")
-    limits.add_argument("--handshake-timeout-s", type=float, default=defaults.handshake_timeout_s)
+    limits.add_argument("--handshake-timeout-s", type=float, default=defaults.handshake_timeout_s,
+                        help="seconds a new connection has to say Hello (default: %(default)s)")
     limits.add_argument("--send-timeout-s", type=float, default=defaults.send_timeout_s,
-                        help="close a client whose socket accepts nothing for this long")
-    limits.add_argument("--output-queue-frames", type=int, default=defaults.output_queue_frames)
-    limits.add_argument("--shutdown-grace-s", type=float, default=defaults.shutdown_grace_s)
+                        help="close a client whose socket accepts nothing for this long "
+                             "(default: %(default)s)")
+    limits.add_argument("--output-queue-frames", type=int, default=defaults.output_queue_frames,
+                        help="frames queued for a slow client before its streams wait "
+                             "(default: %(default)s)")
+    limits.add_argument("--shutdown-grace-s", type=float, default=defaults.shutdown_grace_s,
+                        help="seconds running requests get to finish after SIGINT or SIGTERM "
+                             "(default: %(default)s)")
     obs = parser.add_argument_group("observability")
     obs.add_argument("--metrics-port", type=int, default=None,
                      help="serve Prometheus metrics over HTTP on this port (0: any free port)")
-    obs.add_argument("--metrics-host", default="127.0.0.1")
-    obs.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    obs.add_argument("--metrics-host", default="127.0.0.1",
+                     help="address of the metrics endpoint (default: %(default)s)")
+    obs.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                     help="log messages at this level and above to stderr (default: %(default)s)")
     from .http import add_http_arguments  # it builds on this module
 
     add_http_arguments(parser)

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import re
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
 
 from cadence.actors import cli
+from cadence.actors.bench import add_bench_parser
+from cadence.actors.engine import demo_model_dir
+from cadence.actors.engine_args import engine_config_from_args
+from cadence.actors.serve.server import add_serve_parser
+from cadence.actors.wire import DEFAULT_PORT
+
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:
@@ -63,9 +73,10 @@ def test_generate_defaults_to_the_demo_model_and_echoes_the_prompt(capsys):
 
 
 def test_user_mistakes_print_one_line_and_exit_2(capsys):
-    status, _, err = run(capsys, "generate", "x", "--max-tokens", "99999")
+    status, out, err = run(capsys, "generate", "x", "--max-tokens", "99999")
     assert status == 2
     assert err.count("\n") == 1 and "max_model_len" in err and "Traceback" not in err
+    assert out == ""  # the prompt is echoed only once the request is accepted
     status, _, err = run(capsys, "generate", "a b", "--token-ids")
     assert status == 2 and "must be integers" in err
     with pytest.raises(SystemExit) as exit_info:
@@ -85,3 +96,62 @@ def test_help_everywhere(capsys):
             cli.main(argv + ["--help"])
         assert exit_info.value.code == 0
         assert "usage: cadence" in capsys.readouterr().out
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert re.fullmatch(r"cadence \S+.*\n", capsys.readouterr().out)
+
+
+def test_generate_passes_the_sampling_options_and_prints_logprobs(capsys):
+    greedy = run(capsys, "generate", "def ", "--max-tokens", "6")[1]
+    # top-k 1 leaves one candidate, so sampling at temperature 1 gives the greedy text.
+    status, out, err = run(capsys, "generate", "def ", "--max-tokens", "6", "--temperature", "1",
+                           "--top-k", "1", "--top-p", "0.9", "--dtype", "float32", "--logprobs", "2")
+    assert status == 0 and out == greedy
+    token_lines = [line for line in err.splitlines() if re.match(r"^ *\d+ ", line)]
+    assert len(token_lines) == 6
+    assert all(len(line.split(":")) == 3 for line in token_lines)  # two alternatives each
+
+
+def test_a_checkpoint_without_a_tokenizer_takes_token_ids(tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(demo_model_dir(), model,
+                    ignore=shutil.ignore_patterns("tokenizer.json", "tokenizer_config.json"))
+    status, out, err = run(capsys, "generate", "100 101 102", "--token-ids", "--model", str(model),
+                           "--max-tokens", "3")
+    assert status == 0, err
+    assert len(out.split()) == 3 and all(t.isdigit() for t in out.split())
+    status, out, err = run(capsys, "generate", "def ", "--model", str(model))
+    assert status == 2 and "tokenizer.json" in err and "--token-ids" in err and out == ""
+
+
+def _subparser(add, name: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cadence")
+    add(parser.add_subparsers(dest="command"))
+    return parser._subparsers._group_actions[0].choices[name]
+
+
+def test_every_serve_and_bench_option_says_what_it_does():
+    for add, name in ((add_serve_parser, "serve"), (add_bench_parser, "bench")):
+        parser = _subparser(add, name)
+        silent = [a.option_strings[0] for a in parser._actions if a.option_strings and not a.help]
+        assert silent == [], f"{name} options without help: {silent}"
+
+
+def test_serve_and_bench_default_to_the_demo_model_and_name_the_simulated_one():
+    serve = _subparser(add_serve_parser, "serve")
+    config = engine_config_from_args(serve.parse_args([]))
+    assert (config.executor, config.model) == ("inprocess", "demo")
+    assert config.tokenizer is not None  # the demo model brings its own
+    config = engine_config_from_args(serve.parse_args(["--model", "simulated"]))
+    assert config.executor == "simulated"
+    bench = _subparser(add_bench_parser, "bench")
+    assert bench.parse_args([]).port == serve.parse_args([]).port == DEFAULT_PORT
+
+
+def test_the_readme_serves_where_bench_looks():
+    ports = re.findall(r"cadence serve[^\n]*--port (\d+)", README.read_text())
+    assert all(int(port) == DEFAULT_PORT for port in ports), ports

@@ -70,7 +70,8 @@ def test_the_nano_workloads_match_their_description(name):
 
 def test_bench_against_an_embedded_engine_writes_one_json_line(tmp_path, capsys):
     out = tmp_path / "result.json"
-    args = _parse("--embedded", "--workload", "prefix", "--num-requests", "12", "--sim-step-us", "0",
+    args = _parse("--embedded", "--model", "simulated", "--workload", "prefix", "--num-requests", "12",
+                  "--sim-step-us", "0",
                   "--max-num-seqs", "8", "--json", str(out), "--no-progress")
     assert args.func(args) == 0
     (line,) = out.read_text().splitlines()
@@ -96,7 +97,7 @@ def test_bench_against_a_server_over_several_connections(capsys):
 
 def test_plot_without_matplotlib_is_a_one_line_error(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes the import fail
-    args = _parse("--embedded", "--num-requests", "2", "--plot", "out.png")
+    args = _parse("--embedded", "--model", "simulated", "--num-requests", "2", "--plot", "out.png")
     assert args.func(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--plot needs matplotlib" in err[0]
@@ -105,7 +106,8 @@ def test_plot_without_matplotlib_is_a_one_line_error(monkeypatch, capsys):
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "bench.png"
-    args = _parse("--embedded", "--workload", "prefix", "--num-requests", "6", "--sim-step-us", "500",
+    args = _parse("--embedded", "--model", "simulated", "--workload", "prefix", "--num-requests", "6",
+                  "--sim-step-us", "500",
                   "--plot", str(path), "--sample-interval-s", "0.02", "--no-progress")
     assert args.func(args) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
