@@ -6,7 +6,9 @@ For each policy: explore every reachable state at the chosen scope (safety
 invariants and refinement of the reference spec on every move), search the
 explored graph for starvation, and run the Hypothesis state machine. Prints a
 verdict per policy, with a runnable counterexample for anything found, and
-exits 0 if every policy is clean, 1 otherwise.
+exits 0 if every policy is clean, 1 otherwise. Progress (each stage as it
+starts, with the seconds so far) goes to stderr; the default run, four policies
+at the small scope, takes about three minutes on two cores.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import argparse
 import os
 import sys
 import time
+
+from typing import Callable
 
 import attrs
 
@@ -47,13 +51,17 @@ class Verdict:
 
 def check_policy(policy: str, scope_name: str = "small", *, liveness: bool = True,
                  stateful: bool = True, examples: int | None = None,
-                 horizon: int | None = None, out=sys.stdout) -> Verdict:
-    """Run the explorer, the starvation search and the state machine for `policy`."""
+                 horizon: int | None = None, out=sys.stdout,
+                 progress: Callable[[str], None] | None = None) -> Verdict:
+    """Run the explorer, the starvation search and the state machine for `policy`;
+    `progress(stage)` is called as each stage starts."""
     scope = SCOPES[scope_name]
     if horizon is not None:
         scope = attrs.evolve(scope, time_horizon=horizon)
     verdict = Verdict(policy)
     started = time.perf_counter()
+    report = progress if progress is not None else (lambda stage: None)
+    report(f"exploring every state at the {scope_name} scope")
     ex = explore(policy, scope, keep_graph=liveness)
     verdict.notes.append(ex.summary())
     if ex.num_cut:
@@ -64,6 +72,7 @@ def check_policy(policy: str, scope_name: str = "small", *, liveness: bool = Tru
         verdict.problems.append(f"safety: {v.problems[0]}")
         verdict.details.append(_indent(f"shortest trace ({len(v.moves)} moves), as a test:\n{v.code}"))
     if liveness and not ex.violations:
+        report("searching for starvation")
         result = find_starvation(ex)
         verdict.notes.append(f"starvation search: {result.num_nodes} (state, waiting request) "
                              f"pairs, {result.num_edges} edges")
@@ -74,6 +83,7 @@ def check_policy(policy: str, scope_name: str = "small", *, liveness: bool = Tru
                                     "on the real core)")
             verdict.details.append(_indent(s.code))
     if stateful:
+        report("running the state machine")
         failure = _run_state_machine(ex.config, ex.cache_config, examples)
         if failure:
             verdict.problems.append(f"state machine: {failure.splitlines()[0]}")
@@ -108,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `cadence check`; returns the exit status."""
     parser = argparse.ArgumentParser(
         prog="cadence check",
-        description="Model-check scheduling policies against the reference spec of the core.")
+        description="Model-check scheduling policies against the reference spec of the core. "
+                    "The default run (four built-in policies, small scope) takes about three "
+                    "minutes on two cores; one --policy takes about a quarter of that.")
     parser.add_argument("--policy", action="append", metavar="NAME|package.module:Class",
                         help=f"policy to check (repeatable; default: {', '.join(BUILT_IN[:4])})")
     parser.add_argument("--scope", choices=sorted(SCOPES),
@@ -122,14 +134,20 @@ def main(argv: list[str] | None = None) -> int:
                              "from aging_s and deadlines; raise it for a time-sensitive policy)")
     parser.add_argument("--no-liveness", action="store_true", help="skip the starvation search")
     parser.add_argument("--no-stateful", action="store_true", help="skip the state machine")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args(argv)
     policies = args.policy or list(BUILT_IN[:4])
     verdicts = []
-    for policy in policies:
+    started = time.perf_counter()
+    for index, policy in enumerate(policies, 1):
+        def progress(stage: str, index=index, policy=policy) -> None:
+            if not args.quiet:
+                print(f"[{index}/{len(policies)} {policy}, {time.perf_counter() - started:.0f}s] "
+                      f"{stage}", file=sys.stderr, flush=True)
         try:
             verdict = check_policy(policy, args.scope, liveness=not args.no_liveness,
                                    stateful=not args.no_stateful, examples=args.examples,
-                                   horizon=args.horizon)
+                                   horizon=args.horizon, progress=progress)
         except Exception as exc:  # e.g. a policy that cannot be loaded
             verdict = Verdict(policy, [f"could not be checked: {type(exc).__name__}: {exc}"])
         print(verdict.format(), flush=True)

@@ -7,8 +7,14 @@ from cadence.spec.check import check_policy, main
 
 def test_a_clean_policy_exits_zero(capsys):
     assert main(["--policy", "deadline", "--no-stateful"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert "deadline: CLEAN" in out and "states" in out and "1 clean, 0 with violations" in out
+    # Progress: each stage as it starts, on stderr.
+    stages = captured.err.splitlines()
+    assert [line.split("] ")[1] for line in stages] == [
+        "exploring every state at the small scope", "searching for starvation"]
+    assert all(line.startswith("[1/1 deadline, ") for line in stages)
 
 
 def test_strict_priority_starves_with_a_printed_lasso(capsys):
@@ -36,5 +42,6 @@ def test_a_user_policy_by_path(tmp_path, monkeypatch, capsys):
 
 
 def test_an_unloadable_policy_is_a_violation(capsys):
-    assert main(["--policy", "no_such_module:Nothing", "--no-stateful", "--no-liveness"]) == 1
-    assert "could not be checked" in capsys.readouterr().out
+    assert main(["--policy", "no_such_module:Nothing", "--no-stateful", "--no-liveness", "--quiet"]) == 1
+    captured = capsys.readouterr()
+    assert "could not be checked" in captured.out and captured.err == ""
