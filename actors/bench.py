@@ -377,7 +377,7 @@ def _require_matplotlib():
         import matplotlib
     except ImportError:
         raise ConfigError(
-            "--plot needs matplotlib, which is not installed (pip install matplotlib)") from None
+            "--plot needs matplotlib, which is not installed (pip install 'cadence[plot]')") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

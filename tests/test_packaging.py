@@ -4,6 +4,8 @@ installed packages import."""
 from __future__ import annotations
 
 import importlib
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -12,23 +14,28 @@ from pathlib import Path
 
 import pytest
 
+from cadence.actors.bench import load_workload
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("cadence.statemachine", "cadence.actors", "cadence.actors.serve", "cadence.gpu", "cadence.spec")
 EXPECTED_FILES = (
     "cadence/statemachine/scheduler.py",
     "cadence/actors/__init__.py",
+    "cadence/actors/workloads.py",
+    "cadence/actors/asyncio_engine.py",
     "cadence/gpu/__init__.py",
+    "cadence/gpu/demo_model/model.safetensors",
     "cadence/spec/__init__.py",
-)
+) + tuple(f"cadence/{package}/py.typed" for package in ("statemachine", "actors", "gpu", "spec"))
 # Build outputs and caches that must not travel into the copy the wheel is built from.
 IGNORED = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", ".hypothesis",
                                  ".pytest_cache", ".whl", "out", "tests", "benchmarks", ".venv")
 
 
 @pytest.fixture(scope="module")
-def wheel_files(tmp_path_factory) -> list[str]:
-    """File names inside a wheel built, without network, from a copy of the tree
-    (a copy, so concurrent builds never share a build/ directory)."""
+def wheel(tmp_path_factory) -> Path:
+    """A wheel built, without network, from a copy of the tree (a copy, so concurrent
+    builds never share a build/ directory)."""
     tmp = tmp_path_factory.mktemp("wheel")
     source = tmp / "src"
     shutil.copytree(REPO_ROOT, source, ignore=IGNORED)
@@ -39,9 +46,44 @@ def wheel_files(tmp_path_factory) -> list[str]:
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    (wheel,) = out.glob("cadence-*.whl")
+    (built,) = out.glob("cadence-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def wheel_files(wheel) -> list[str]:
+    """File names inside the wheel."""
     with zipfile.ZipFile(wheel) as zf:
         return zf.namelist()
+
+
+# Runs from the installed wheel alone: the repository (and its benchmarks/) is not reachable.
+_BENCH_FROM_WHEEL = """
+import json, sys
+import cadence.actors, cadence.actors.cli as cli
+assert cadence.actors.__file__.startswith(sys.argv[1]), cadence.actors.__file__
+common = ["bench", "--embedded", "--model", "simulated", "--sim-step-us", "0", "--no-progress",
+          "--json", "-"]
+assert cli.main(common + ["--workload", "nano-vllm", "--num-requests", "2"]) == 0
+assert cli.main(common + ["--workload", sys.argv[2]]) == 0
+"""
+
+
+def test_bench_runs_from_the_installed_wheel(wheel, tmp_path):
+    """`cadence bench` finds its workloads (a preset and a JSON-lines trace) inside the package."""
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                    "--target", str(target), str(wheel)], check=True, timeout=300)
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"id": 0, "arrival_step": 0, "prompt_len": 5, "output_len": 3}\n'
+                     '{"id": 1, "arrival_step": 1, "prompt_len": 7, "output_len": 2}\n')
+    proc = subprocess.run([sys.executable, "-c", _BENCH_FROM_WHEEL, str(target), str(trace)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(target)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [(r["num_completed"], r["num_output_tokens"]) for r in results] == [
+        (2, sum(load_workload("nano-vllm", 2)[i].max_tokens for i in range(2))), (2, 5)]
 
 
 def test_wheel_ships_all_four_packages(wheel_files):
