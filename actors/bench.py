@@ -38,6 +38,7 @@ from .engine import Engine, open_engine
 from .engine_args import add_engine_arguments, engine_config_from_args
 from .serve.http import DEFAULT_HTTP_PORT
 from .serve.http_client import HttpApiClient, HttpApiError
+from .unwrap import unwrap_sole_error
 from .wire import DEFAULT_PORT
 
 __all__ = [
@@ -516,7 +517,8 @@ def run_bench(args: argparse.Namespace) -> int:
         requests = load_workload(args.workload, args.num_requests)
         if not requests:
             raise ConfigError("the workload has no requests")
-        result, samples, timings = trio.run(_bench, args, requests, percentiles)
+        with unwrap_sole_error():
+            result, samples, timings = trio.run(_bench, args, requests, percentiles)
     except (CadenceError, OSError) as exc:
         print(f"cadence bench: {exc}", file=sys.stderr)
         return USAGE_ERROR

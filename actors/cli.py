@@ -30,6 +30,7 @@ from . import bench
 from .serve import server
 from .engine import EXECUTOR_KINDS, SIMULATED_MODEL, EngineConfig, open_engine
 from .engine_args import tokenizer_for
+from .unwrap import unwrap_sole_error
 from .simulated import ZERO_LATENCY, LatencyModel
 
 __all__ = ["main", "run_demo", "DemoConfig"]
@@ -248,7 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 max_tokens=args.max_tokens, max_batch_size=args.max_batch_size,
                                 policy=args.policy, seed=args.seed, real_time=args.real_time))
         else:
-            trio.run(_generate, args, sys.stdout)
+            with unwrap_sole_error():
+                trio.run(_generate, args, sys.stdout)
     except (CadenceError, UsageError) as exc:
         print(f"cadence {args.command}: {exc}", file=sys.stderr)
         return USAGE_ERROR

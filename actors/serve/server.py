@@ -48,7 +48,7 @@ from ..chat import EngineChat
 from ..engine import Engine, EngineConfig, RequestStream, open_engine
 from ..framing import MAX_FRAME_BYTES
 from ..trio_thread import TrioThread
-from ..unwrap import unwrapping
+from ..unwrap import unwrap_sole_error, unwrapping
 from ..engine_args import add_engine_arguments, engine_config_from_args
 from ..wire import (
     DEFAULT_PORT, DEFAULT_MAX_REQUEST_FRAME_BYTES, Accepted, Error, ErrorCode, Generate,
@@ -620,7 +620,8 @@ def run_serve(args: argparse.Namespace) -> int:
         server_config = server_config_from_args(args)
         from .http import http_config_from_args
 
-        trio.run(_serve_until_signalled, engine_config, server_config, http_config_from_args(args))
+        with unwrap_sole_error():
+            trio.run(_serve_until_signalled, engine_config, server_config, http_config_from_args(args))
     except (CadenceError, OSError) as exc:
         print(f"cadence serve: {_one_line(exc)}", file=sys.stderr)
         return USAGE_ERROR
