@@ -105,13 +105,15 @@ class _Pump:
                     try:
                         out = await self.stream.__anext__()
                     except StopAsyncIteration:
-                        _post(future, None)
-                        return
+                        out = None
                     except Exception as exc:  # the request's own error, for its consumer
                         _post(future, error=exc)
+                        future = None
                         return
                     _post(future, out)
                     future = None
+                    if out is None:  # the stream has ended
+                        return
         finally:
             if future is not None:
                 _post(future, error=EngineClosedError("the engine closed"))

@@ -92,6 +92,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the `add_engine_arguments` options describe."""
     executor = args.executor or ("simulated" if args.model == SIMULATED_MODEL else "inprocess")
     latency = LatencyModel()
+    if args.sim_step_us is not None and executor != "simulated":
+        raise ConfigError(f"--sim-step-us times the simulated executor; this engine runs "
+                          f"{executor} (add --model simulated)")
     if args.sim_step_us is not None:
         if args.sim_step_us < 0:
             raise ConfigError(f"--sim-step-us must be >= 0, got {args.sim_step_us}")

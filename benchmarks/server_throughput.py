@@ -34,7 +34,8 @@ from cadence.actors.client import open_client
 
 def _start_server(max_connections: int) -> tuple[subprocess.Popen, tuple[str, int]]:
     command = [
-        sys.executable, "-m", "cadence.actors.serve.server", "--port", "0", "--sim-step-us", "0",
+        sys.executable, "-m", "cadence.actors.serve.server", "--port", "0", "--model", "simulated",
+        "--sim-step-us", "0",
         "--max-num-seqs", "1024", "--max-num-batched-tokens", "32768", "--num-blocks", "32768",
         "--max-connections", str(max_connections + 16), "--log-level", "warning",
     ]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cadence.actors import cli
+from cadence.actors import ConfigError, cli
 from cadence.actors.bench import add_bench_parser
 from cadence.actors.engine import demo_model_dir
 from cadence.actors.engine_args import engine_config_from_args
@@ -148,6 +148,8 @@ def test_serve_and_bench_default_to_the_demo_model_and_name_the_simulated_one():
     assert config.tokenizer is not None  # the demo model brings its own
     config = engine_config_from_args(serve.parse_args(["--model", "simulated"]))
     assert config.executor == "simulated"
+    with pytest.raises(ConfigError, match="--sim-step-us times the simulated executor"):
+        engine_config_from_args(serve.parse_args(["--sim-step-us", "0"]))
     bench = _subparser(add_bench_parser, "bench")
     assert bench.parse_args([]).port == serve.parse_args([]).port == DEFAULT_PORT
 

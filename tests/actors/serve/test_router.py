@@ -317,7 +317,7 @@ async def test_global_queue_admits_by_priority_then_tenant_turns_when_replicas_a
 async def child_replica(*extra: str):
     """A `cadence serve` child process with a simulated engine; yields (process, address)."""
     command = [sys.executable, "-m", "cadence.actors.serve.server", "--port", "0", "--log-level", "error",
-               *extra]
+               "--model", "simulated", *extra]
     process = await trio.lowlevel.open_process(command, stdout=subprocess.PIPE)
     try:
         buffer = b""

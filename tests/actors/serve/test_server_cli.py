@@ -23,7 +23,8 @@ def start_serve(*args: str, preexec_fn=None) -> tuple[subprocess.Popen, tuple[st
     starts); return it and its address once it listens."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("CADENCE_TOKEN", None)
-    process = subprocess.Popen([*_SERVE, "--port", "0", "--sim-step-us", "1000", *args],
+    process = subprocess.Popen([*_SERVE, "--port", "0", "--model", "simulated", "--sim-step-us", "1000",
+                                *args],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                preexec_fn=preexec_fn)
     line = process.stdout.readline()  # blocks until the server prints it (or dies)
