@@ -92,3 +92,21 @@ def test_abort_collect_and_errors_come_out_as_themselves():
     assert aborted.finish_reason == "abort" and aborted.request_id == "r"
     assert full.prompt == "hello" and full.prompt_token_ids == list(b"hello")
     assert len(full.token_ids) == 3 and full.text == bytes(full.token_ids).decode()
+
+
+def test_closing_the_engine_ends_a_waiting_consumer_with_engine_closed():
+    async def main():
+        engine = _engine(max_model_len=20_000)
+        async with engine:
+            stream = await engine.generate("long", SamplingParams(max_tokens=10_000)).start()
+            await stream.__anext__()
+
+            async def consume():
+                async for _ in stream:
+                    pass
+
+            task = asyncio.create_task(consume())
+        with pytest.raises(EngineClosedError):
+            await asyncio.wait_for(task, WAIT_S)
+
+    asyncio.run(main())
