@@ -92,6 +92,13 @@ def test_wheel_ships_all_four_packages(wheel_files):
         assert name in wheel_files, f"{name} missing from the wheel"
 
 
+def test_the_plot_extra_installs_matplotlib():
+    """`cadence bench --plot` names the `plot` extra; it must bring matplotlib."""
+    import tomllib
+    extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(dep.startswith("matplotlib") for dep in extras["plot"])
+
+
 def test_wheel_ships_no_tests_or_bytecode(wheel_files):
     """Only the package sources (and metadata) are shipped."""
     assert not [n for n in wheel_files if n.startswith("tests/") or n.endswith(".pyc")]

@@ -101,6 +101,7 @@ def test_plot_without_matplotlib_is_a_one_line_error(monkeypatch, capsys):
     assert args.func(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--plot needs matplotlib" in err[0]
+    assert "cadence[plot]" in err[0]  # the extra that installs it
 
 
 def test_plot_writes_a_png(tmp_path):
