@@ -84,6 +84,15 @@ class RequestOutput(NamedTuple):
         """Whether this is the request's last delta."""
         return self.finish_reason is not None
 
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """This delta in vLLM's shape: one `CompletionOutput` holding the new tokens."""
+        logprobs = None if self.logprobs is None else [_candidates(entry) for entry in self.logprobs]
+        return [CompletionOutput(
+            index=0, text=self.text if self.text is not None else "", token_ids=list(self.token_ids),
+            cumulative_logprob=None, logprobs=logprobs, finish_reason=self.finish_reason,
+            stop_reason=self.detail or None)]
+
 
 @attrs.frozen
 class Logprob:

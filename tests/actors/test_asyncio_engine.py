@@ -41,6 +41,8 @@ def test_fifty_concurrent_streams_each_get_their_own_tokens():
         assert [out.finish_reason for out in deltas][-1] == "length"
         assert all(out.finish_reason is None for out in deltas[:-1])
         assert len({out.request_id for out in deltas}) == 1
+        assert [t for out in deltas for t in out.outputs[0].token_ids] == [t for out in deltas for t in out.token_ids]
+        assert deltas[-1].outputs[0].finish_reason == "length"  # vLLM's names on each delta
     assert len({deltas[0].request_id for deltas in all_deltas}) == NUM_STREAMS
     assert stats.num_requests_completed == NUM_STREAMS
 
