@@ -40,7 +40,10 @@ def _post(future: asyncio.Future, result: Any = None, error: BaseException | Non
     def settle() -> None:
         if future.done():
             if orphaned is not None and error is None:
-                orphaned(result)
+                try:
+                    orphaned(result)
+                except EngineClosedError:  # gone with the engine already
+                    pass
             return
         if error is not None:
             future.set_exception(error)
@@ -61,8 +64,12 @@ class _Bridge:
 
     def call(self, async_fn: Callable[..., Awaitable[Any]], args: tuple, future: asyncio.Future,
              orphaned: Callable[[Any], None] | None) -> None:
-        """Run `async_fn(*args)` in a task of its own; its outcome settles `future`."""
-        self.nursery.start_soon(self._call, async_fn, args, future, orphaned)
+        """Run `async_fn(*args)` in a task of its own; its outcome settles `future`.
+        (Called through `run_sync_soon`, where an exception would end the Trio run.)"""
+        try:
+            self.nursery.start_soon(self._call, async_fn, args, future, orphaned)
+        except RuntimeError:  # the nursery is closing: the engine is going away
+            _post(future, error=EngineClosedError("the engine closed"))
 
     async def _call(self, async_fn, args, future, orphaned) -> None:
         try:
@@ -94,8 +101,12 @@ class _Pump:
         bridge.nursery.start_soon(self.run)
 
     def pull(self, future: asyncio.Future) -> None:
-        """Ask for the next delta (at most one pull is outstanding)."""
-        self.pulls_in.send_nowait(future)
+        """Ask for the next delta (at most one pull is outstanding). Called through
+        `run_sync_soon`, so it never raises: a pull the pump cannot take is answered."""
+        try:
+            self.pulls_in.send_nowait(future)
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            _post(future, error=EngineClosedError("the request's stream has ended"))
 
     async def run(self) -> None:
         future = None
@@ -115,6 +126,7 @@ class _Pump:
                     if out is None:  # the stream has ended
                         return
         finally:
+            self.pulls.close()
             if future is not None:
                 _post(future, error=EngineClosedError("the engine closed"))
             await self.stream.aclose()  # aborts the request if it still runs
