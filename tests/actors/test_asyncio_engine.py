@@ -112,3 +112,33 @@ def test_closing_the_engine_ends_a_waiting_consumer_with_engine_closed():
             await asyncio.wait_for(task, WAIT_S)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("cancel_after_s", [0.0, 0.001, 0.05])
+def test_a_consumer_cancelled_at_any_point_leaves_no_request_behind(cancel_after_s):
+    """Cancelled while its submission is in flight, just after, or while streaming: the
+    request ends aborted either way (the answer that arrives for nobody is undone)."""
+    async def main():
+        async with _engine(max_model_len=20_000) as engine:
+            async def consume():
+                async for _ in engine.generate("long", SamplingParams(max_tokens=10_000)):
+                    pass
+
+            task = asyncio.create_task(consume())
+            await asyncio.sleep(cancel_after_s)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            # The submission may still be on its way to the engine: wait until it has
+            # arrived and ended (a request left running would keep this loop going).
+            async def settled():
+                while True:
+                    stats = await engine.stats()
+                    if stats.num_requests_added and stats.num_requests_completed == stats.num_requests_added:
+                        return stats
+                    await asyncio.sleep(0.01)
+            return await asyncio.wait_for(settled(), WAIT_S)
+
+    stats = asyncio.run(main())
+    assert stats.num_running == 0 and stats.kv_usage == 0
+    assert stats.completed_by_reason == {"abort": 1}
