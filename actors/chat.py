@@ -151,7 +151,10 @@ class ChatTemplate:
     @classmethod
     def for_model(cls, model: str) -> ChatTemplate | None:
         """The template of an engine's model: its folder's, or None (the simulated
-        model, presets, folders without one)."""
+        model, presets, folders without one); "demo" names the built-in demo model."""
+        from .engine import resolve_model  # imported here: the engine builds on more than chat needs
+
+        model = resolve_model(model)
         return cls.from_dir(model) if Path(model).is_dir() else None
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,

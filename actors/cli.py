@@ -28,7 +28,9 @@ from cadence.statemachine.sampling import SamplingParams
 
 from . import bench
 from .serve import server
-from .engine import EXECUTOR_KINDS, SIMULATED_MODEL, EngineConfig, open_engine
+from .engine import (  # noqa: F401  (demo_model_dir, resolve_model: also imported from here)
+    EXECUTOR_KINDS, SIMULATED_MODEL, EngineConfig, demo_model_dir, open_engine, resolve_model,
+)
 from .engine_args import tokenizer_for
 from .unwrap import unwrap_sole_error
 from .simulated import ZERO_LATENCY, LatencyModel
