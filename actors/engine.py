@@ -97,12 +97,9 @@ def resolve_model(model: str) -> str:
     return demo_model_dir() if model == DEMO_MODEL else model
 
 
-def _default_executor(config: EngineConfig) -> str:
-    # Naming the simulated model names the simulated executor; every other model runs for real.
-    return "simulated" if config.model == SIMULATED_MODEL else "inprocess"
-
-
 def _executor_kind(instance, attribute, value) -> None:
+    if value is None:  # filled in from the model by EngineConfig.__attrs_post_init__
+        return
     if isinstance(value, str):
         if value not in EXECUTOR_KINDS:
             raise ConfigError(f"executor must be one of {', '.join(EXECUTOR_KINDS)} "
@@ -118,7 +115,8 @@ class EngineConfig:
     scheduler, cache: the core's configuration (the cache size is replaced by
       what the executor reports at start-up).
     model: "demo" (the built-in demo model, the default), a checkpoint directory,
-      a preset name (random weights), or "simulated" (no model at all).
+      a preset name (random weights), or "simulated" (no model at all; the
+      default with a simulated executor).
     executor: "inprocess" (model runner in a worker thread; the default),
       "process" (in a child process), "simulated" (latency model, no weights;
       the default only for model="simulated"), or a ready `ExecutorBackend`
@@ -148,9 +146,8 @@ class EngineConfig:
 
     scheduler: SchedulerConfig = attrs.field(factory=SchedulerConfig)
     cache: CacheConfig = attrs.field(factory=CacheConfig)
-    model: str = DEMO_MODEL
-    executor: Union[str, ExecutorBackend] = attrs.field(
-        default=attrs.Factory(_default_executor, takes_self=True), validator=_executor_kind)
+    model: str | None = None
+    executor: Union[str, ExecutorBackend, None] = attrs.field(default=None, validator=_executor_kind)
     dtype: str = "auto"
     device: str = "auto"
     executor_options: Mapping[str, OptionValue] = attrs.field(factory=dict)
@@ -169,6 +166,17 @@ class EngineConfig:
     trace_path: str | None = None
     record_trace: bool = False
     seed: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        # Each of model and executor, left out, follows the other: naming the simulated
+        # model names the simulated executor and the reverse; otherwise the demo model
+        # runs in this process. (Set through object.__setattr__: the class is frozen.)
+        simulated = self.executor == "simulated" or isinstance(self.executor, SimulatedExecutor)
+        if self.model is None:
+            object.__setattr__(self, "model", SIMULATED_MODEL if simulated else DEMO_MODEL)
+        if self.executor is None:
+            object.__setattr__(self, "executor",
+                               "simulated" if self.model == SIMULATED_MODEL else "inprocess")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
@@ -503,9 +511,7 @@ def _tokenizer_for(config: EngineConfig, model_dir: str) -> Tokenizer | None:
         return config.tokenizer
     if config.executor == "simulated":
         return ByteTokenizer()
-    # A ready backend (a test's simulated executor) left at the default model runs no model.
-    runs_model = isinstance(config.executor, str) or config.model != DEMO_MODEL
-    if runs_model and os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+    if os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
         # A checkpoint directory brings its own tokenizer.
         from cadence.gpu.tokenizer import Tokenizer as CheckpointTokenizer
         return CheckpointTokenizer.from_pretrained(model_dir)
