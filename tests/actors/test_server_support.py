@@ -33,7 +33,8 @@ def engine_config(latency: LatencyModel = ZERO_LATENCY, **kwargs) -> EngineConfi
     """A small simulated engine."""
     options = dict(max_num_seqs=64, num_blocks=1024, max_model_len=8192, max_num_batched_tokens=8192)
     options.update(kwargs)
-    return EngineConfig.from_kwargs(executor="simulated", latency=latency, **options)
+    options.setdefault("executor", "simulated")
+    return EngineConfig.from_kwargs(latency=latency, **options)
 
 
 def server_config(**kwargs) -> ServerConfig:
