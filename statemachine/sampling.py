@@ -75,7 +75,7 @@ def _as_float(field: str, value: object) -> float:
 # field -> (kind, low, high, the range as a reader sees it); "int?" allows None.
 # Checked in this order; max_tokens comes first so min_tokens can refer to it.
 SAMPLING_RANGES: dict[str, tuple[str, float, float, str]] = {
-    "max_tokens": ("int?", 1, MAX_INT64, "None (up to max_model_len) or in [1, 2^63 - 1]"),
+    "max_tokens": ("int?", 1, MAX_INT64, "in [1, 2^63 - 1], or None (up to max_model_len)"),
     "min_tokens": ("int", 0, MAX_INT64, "in [0, max_tokens]"),
     "temperature": ("float", 0.0, math.inf, f"0 (greedy) or a finite number >= {MIN_TEMPERATURE}"),
     "top_k": ("int", 0, MAX_INT64, "in [0, vocab_size] (0 disables it)"),
