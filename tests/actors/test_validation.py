@@ -141,7 +141,7 @@ class CountingTokenizer(ByteTokenizer):
 
 
 def engine_config(tokenizer=None, **kwargs) -> EngineConfig:
-    options = dict(max_model_len=4096, num_blocks=1024, max_num_batched_tokens=4096)
+    options = dict(executor="simulated", max_model_len=4096, num_blocks=1024, max_num_batched_tokens=4096)
     options.update(kwargs)
     return EngineConfig.from_kwargs(tokenizer=tokenizer, **options)
 
