@@ -43,6 +43,7 @@ _CONNECT_TIMEOUT_S = 120.0
 def _start_server(num_streams: int, sim_step_us: float) -> tuple[subprocess.Popen, tuple, tuple]:
     command = [
         sys.executable, "-m", "cadence.actors.serve.server", "--port", "0", "--http-port", "0",
+        "--model", "simulated",
         "--sim-step-us", str(sim_step_us), "--max-num-seqs", "1024",
         "--max-num-batched-tokens", "32768", "--num-blocks", "32768",
         "--max-connections", str(num_streams + 16), "--log-level", "warning",

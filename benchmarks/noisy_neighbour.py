@@ -56,7 +56,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 def _start_server(step_us: float) -> tuple[subprocess.Popen, tuple[str, int]]:
     command = [sys.executable, "-m", "cadence.actors.serve.server", "--port", "0",
-               "--sim-step-us", str(step_us), "--log-level", "error"]
+               "--model", "simulated", "--sim-step-us", str(step_us), "--log-level", "error"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     line = process.stdout.readline()
     match = re.search(r"tcp://([\d.]+):(\d+)", line)
