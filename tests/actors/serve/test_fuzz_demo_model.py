@@ -30,7 +30,7 @@ pytest.importorskip("torch")
 
 from cadence.actors.cli import demo_model_dir  # noqa: E402
 from cadence.actors.engine import EngineConfig  # noqa: E402
-from cadence.actors.engine_args import _tokenizer_for  # noqa: E402
+from cadence.actors.engine_args import tokenizer_for  # noqa: E402
 from cadence.actors.serve.server import ServerConfig, ServerThread  # noqa: E402
 
 _CODES = frozenset(code.value for code in ErrorCode)
@@ -90,7 +90,7 @@ class _LiveServer:
         self.thread: ServerThread | None = None
         model = demo_model_dir()
         self.engine_config = EngineConfig.from_kwargs(
-            executor="inprocess", model=model, tokenizer=_tokenizer_for(model), device="cpu",
+            executor="inprocess", model=model, tokenizer=tokenizer_for(model), device="cpu",
             max_model_len=_MAX_MODEL_LEN, num_blocks=128, max_num_seqs=8,
             max_num_batched_tokens=1024)
 
