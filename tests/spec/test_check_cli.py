@@ -5,14 +5,15 @@ import textwrap
 from cadence.spec.check import check_policy, main
 
 
-def test_a_clean_policy_exits_zero(capsys):
+def test_a_clean_policy_exits_zero(capsys, shared_explorer):
     assert main(["--policy", "deadline", "--no-stateful"]) == 0
     out = capsys.readouterr().out
     assert "deadline: CLEAN" in out and "states" in out and "1 clean, 0 with violations" in out
+    assert "starvation search" in out and "coverage of deadline" in out
 
 
-def test_strict_priority_starves_with_a_printed_lasso(capsys):
-    assert main(["--policy", "strict-priority", "--no-stateful"]) == 1
+def test_strict_priority_starves_with_a_printed_lasso(capsys, shared_explorer):
+    assert main(["--policy", "strict-priority", "--no-stateful", "--scope", "small"]) == 1
     out = capsys.readouterr().out
     assert "strict-priority: VIOLATION" in out and "starvation" in out
     assert "def test_strict_priority_starves_" in out
