@@ -135,8 +135,9 @@ _REACH_SHAPES = (Shape((1, 2, 3), 4, priority=0, tenant="a"),
                  Shape((4,), 3, priority=1, tenant="b"))
 
 SCOPES = {
-    # Plans answered at once; 3 shapes, 3 live requests, 4 blocks of 2 tokens.
-    "small": Scope(),
+    # Plans answered at once; 3 shapes, 3 live requests, 4 blocks of 2 tokens; the
+    # admission memo's retry window is one step, so it stands and runs out.
+    "small": Scope(admission_retry_steps=1),
     # Chosen for reach (see spec/README.md, "Coverage"): more seats (3) than budget
     # tokens (2), a prompt longer than the budget, no admission headroom, so
     # running requests outgrow the blocks and preempt under every policy; a
@@ -281,7 +282,9 @@ def _policy_key(policy, pos, cap, tenants) -> tuple:
         if any(v > cap for _, v in rel):
             raise Cut(f"virtual counters spread past {cap}")
         active = tuple(sorted((t, n) for t, n in policy.num_active.items() if n))
-        return (tuple(policy.queues), rel, active)
+        # Requests popped and put back in the last pass keep their place on return.
+        examined = tuple(sorted(pos.get(rid, -1) for rid in getattr(policy, "_examined", ())))
+        return (tuple(policy.queues), rel, active, examined)
     return _generic(vars(policy), pos)
 
 

@@ -335,6 +335,8 @@ def _clone_policy(policy, rmap: dict, config) -> SchedulingPolicy:
         new.__dict__.update(vars(policy))
         new.counters = dict(policy.counters)
         new.num_active = dict(policy.num_active)
+        if "_examined" in vars(policy):
+            new._examined = set(policy._examined)
         new.queues = {t: type(q)(_remap(entry, rmap) for entry in q)
                       for t, q in policy.queues.items()}
         new._seq = _clone_count(policy._seq)
@@ -345,7 +347,8 @@ def _clone_policy(policy, rmap: dict, config) -> SchedulingPolicy:
 
 
 _KEYED_FIELDS = frozenset({"config", "use_priority", "_heap", "_count", "_seq"})
-_FAIR_FIELDS = frozenset({"config", "counters", "queues", "num_active", "_count", "_seq"})
+_FAIR_FIELDS = frozenset({"config", "counters", "queues", "num_active", "_count", "_seq",
+                          "_examined"})
 
 
 _BLOCK_FIELDS = frozenset({"num_blocks", "block_size", "enable_prefix_caching", "ref_counts",
