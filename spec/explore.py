@@ -130,7 +130,7 @@ class Scope:
 
 
 _TIGHT = {"aging_s": 2.0, "default_deadline_s": 3.0, "starvation_skip_limit": 2,
-          "admission_headroom_steps": 0}
+          "admission_headroom_steps": 0, "predict_output_lengths": False}
 _REACH_SHAPES = (Shape((1, 2, 3), 4, priority=0, tenant="a"),
                  Shape((4,), 3, priority=1, tenant="b"))
 
