@@ -76,7 +76,7 @@ EQUIVALENT: dict[str, str] = {
     # Survivors of the runs so far were otherwise killed by tests in
     # tests/statemachine/test_core_mutation_kills.py; mutants of type annotations,
     # which are never evaluated in these modules, are no longer generated.
-    "scheduler.py:251:72:compare":
+    "scheduler.py:262:72:compare":
         # `step_id < failed[2]` -> `<=`: the failed-admission memo stands one step
         # longer (ADMISSION_RETRY_STEPS + 1). The window is a tuning constant: it
         # changes when a failed pass is looked at again, never what may be admitted,
