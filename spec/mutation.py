@@ -19,6 +19,11 @@ Operators apply only to code that makes decisions: docstrings, error messages,
 statistics and the `SKIP_FUNCTIONS` listed below are left alone, so every
 survivor is worth a look. Mutant ids are `file:line:col:operator`, stable while
 the file is unchanged, so a survivor can be rerun with `--only`.
+
+A tool of its own rather than mutmut or cosmic-ray: the operators are curated
+for this core (no string, message or statistics mutants to triage), mutants run
+in parallel in throwaway trees with no configuration or session database, and
+the suites run exactly as CI runs them.
 """
 
 from __future__ import annotations
