@@ -21,6 +21,7 @@ one waiting request is never admitted while others keep producing tokens
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections import deque
@@ -32,6 +33,7 @@ from cadence.statemachine.config import CacheConfig, SchedulerConfig
 from cadence.statemachine.fsm import RequestEventKind, RequestState
 from cadence.statemachine.policy import FairPolicy, KeyedPolicy
 
+from . import coverage as cov
 from .harness import Harness
 from .refinement import StepChecker
 
@@ -67,6 +69,13 @@ class Scope:
       cut at this many ticks; None derives it from the configuration.
     counter_cap: the fair policy's counters may spread this far apart; states
       beyond are counted as cut and not expanded.
+    duplicates: the environment may deliver the last answered (or voided) plan's
+      result again; the core must ignore it.
+    max_depth: states this many moves from the start are kept but not expanded
+      (a bounded search where breadth-first to the end is too big); None: no bound.
+    admission_retry_steps: the admission memo's retry window for this
+      exploration (the core's constant is patched while it runs), so that the
+      window runs out within a few steps; None keeps the core's.
     """
 
     name: str = "small"
@@ -95,6 +104,9 @@ class Scope:
     time_horizon: int | None = None
     counter_cap: float = 3.0
     max_states: int = 2_000_000
+    duplicates: bool = False
+    max_depth: int | None = None
+    admission_retry_steps: int | None = None
 
     def configs(self, policy: str) -> tuple[SchedulerConfig, CacheConfig]:
         """The scheduler and cache configuration this scope explores for `policy`."""
@@ -117,9 +129,33 @@ class Scope:
         return int(max(spans)) + 2
 
 
+_TIGHT = {"aging_s": 2.0, "default_deadline_s": 3.0, "starvation_skip_limit": 2,
+          "admission_headroom_steps": 0, "predict_output_lengths": False}
+_REACH_SHAPES = (Shape((1, 2, 3), 4, priority=0, tenant="a"),
+                 Shape((4,), 3, priority=1, tenant="b"))
+
 SCOPES = {
-    # Plans answered at once; 3 shapes, 3 live requests, 4 blocks of 2 tokens.
-    "small": Scope(),
+    # Plans answered at once; 3 shapes, 3 live requests, 4 blocks of 2 tokens; the
+    # admission memo's retry window is one step, so it stands and runs out.
+    "small": Scope(admission_retry_steps=1),
+    # Chosen for reach (see spec/README.md, "Coverage"): more seats (3) than budget
+    # tokens (2), a prompt longer than the budget, no admission headroom, so
+    # running requests outgrow the blocks and preempt under every policy; a
+    # retry window of one step, so the admission memo stands and runs out.
+    # Depth-bounded: breadth-first to depth 11.
+    "tight": Scope(
+        name="tight", num_blocks=4, max_num_seqs=3, max_num_batched_tokens=2, max_model_len=7,
+        shapes=_REACH_SHAPES, max_live=3, aborts=False, executor_loss=False,
+        config_overrides=_TIGHT, max_depth=11, admission_retry_steps=1),
+    # Two plans in flight: results arrive late, stale (after aborts, preemptions,
+    # executor loss) and twice; more requests run than the budget has tokens;
+    # late requests are rejected (deadline). Depth-bounded: to depth 7.
+    "pipelined": Scope(
+        name="pipelined", num_blocks=4, max_num_seqs=3, max_num_batched_tokens=2,
+        max_model_len=6, shapes=(Shape((1, 2, 3), 2, priority=0, tenant="a"),
+                                 Shape((4,), 2, priority=1, tenant="b")),
+        max_live=3, max_inflight=2, eos=False, duplicates=True,
+        config_overrides={**_TIGHT, "reject_late": True}, max_depth=7),
     # As small, with two plans in flight (pipelining) and failures.
     "medium": Scope(name="medium", max_inflight=2, fails=True),
     # More blocks, seats, shapes and live requests, two plans in flight.
@@ -131,6 +167,26 @@ SCOPES = {
                 Shape((1, 2, 3, 4, 5), 1, priority=0, tenant="b")),
         max_live=4, max_inflight=2, fails=True),
 }
+
+
+@contextlib.contextmanager
+def scope_patches(scope: Scope) -> Iterator[None]:
+    """Apply the scope's settings that live in the core's module constants."""
+    if scope.admission_retry_steps is None:
+        yield
+        return
+    from cadence.statemachine import scheduler as core
+    saved = core.ADMISSION_RETRY_STEPS
+    core.ADMISSION_RETRY_STEPS = scope.admission_retry_steps
+    try:
+        yield
+    finally:
+        core.ADMISSION_RETRY_STEPS = saved
+
+
+CI_SCOPES = ("small", "tight", "pipelined")
+"""The scopes the test suite explores by default; between them every behaviour
+family reachable by a built-in policy is reached (tests/spec/test_coverage.py)."""
 
 
 # ---- canonical form -------------------------------------------------------------------
@@ -226,7 +282,9 @@ def _policy_key(policy, pos, cap, tenants) -> tuple:
         if any(v > cap for _, v in rel):
             raise Cut(f"virtual counters spread past {cap}")
         active = tuple(sorted((t, n) for t, n in policy.num_active.items() if n))
-        return (tuple(policy.queues), rel, active)
+        # Requests popped and put back in the last pass keep their place on return.
+        examined = tuple(sorted(pos.get(rid, -1) for rid in getattr(policy, "_examined", ())))
+        return (tuple(policy.queues), rel, active, examined)
     return _generic(vars(policy), pos)
 
 
@@ -274,6 +332,8 @@ def apply_move(h: Harness, move: Move, names: list[str], scope: Scope) -> bool:
         h.complete([names[i] for i in move[1]], 0)
     elif kind == "step":
         h.step([names[i] for i in move[1]])
+    elif kind == "duplicate":
+        h.redeliver()
     return True
 
 
@@ -307,8 +367,10 @@ class Exploration:
     num_transitions: int = 0
     num_cut: int = 0
     max_depth: int = 0
+    num_bounded: int = 0
     seconds: float = 0.0
     complete: bool = True
+    coverage: cov.Coverage | None = None
     violations: list[Violation] = attrs.Factory(list)
     # Graph, kept for the liveness search: per state its parent, move, number of
     # running requests and number of live requests; per edge source, target,
@@ -329,24 +391,36 @@ class Exploration:
 
     def summary(self) -> str:
         """One line: policy, scope, states, transitions, depth, cuts, time."""
+        bounded = f", {self.num_bounded} at the depth bound" if self.num_bounded else ""
         return (f"{self.policy} @ {self.scope.name}: {self.num_states} states, "
                 f"{self.num_transitions} transitions, depth {self.max_depth}, "
-                f"{self.num_cut} cut, {self.seconds:.1f}s")
+                f"{self.num_cut} cut{bounded}, {self.seconds:.1f}s")
 
 
 def explore(policy: str = "fcfs", scope: Scope | None = None, *, check_refinement: bool = True,
             keep_graph: bool = True, stop_at_first: bool = True,
-            make_harness: Callable[[], Harness] | None = None) -> Exploration:
+            make_harness: Callable[[], Harness] | None = None,
+            coverage: bool = True) -> Exploration:
     """Visit every reachable state of the real core for `policy` within `scope`.
 
     Every state is checked against the state invariants; every move against the
     plan budget, the event table and (with `check_refinement`) the reference
-    spec. Violations carry a runnable test reproducing them.
+    spec. Violations carry a runnable test reproducing them. With `coverage`,
+    `Exploration.coverage` counts the transitions that exercised each behaviour
+    family (`cadence.spec.coverage`).
     """
     scope = scope or SCOPES["small"]
+    with scope_patches(scope), (cov.probing() if coverage else contextlib.nullcontext()):
+        return _explore(policy, scope, check_refinement, keep_graph, stop_at_first,
+                        make_harness, coverage)
+
+
+def _explore(policy, scope, check_refinement, keep_graph, stop_at_first, make_harness,
+             coverage) -> Exploration:
     config, cache = scope.configs(policy)
     make_harness = make_harness or (lambda: Harness(config, cache))
     result = Exploration(scope, policy, config, cache)
+    tally = result.coverage = cov.Coverage(config, scope) if coverage else None
     horizon = scope.horizon(config)
     tenants = frozenset(s.tenant for s in scope.shapes)
     checker = StepChecker(config, cache)
@@ -376,8 +450,11 @@ def explore(policy: str = "fcfs", scope: Scope | None = None, *, check_refinemen
         src, h = frontier.popleft()
         key, names = key_of(h)
         before = checker.state(h) if check_refinement else None
-        for move, h2, problems, progress in _successors(h, names, scope, checker, before):
+        for move, h2, problems, progress, families in _successors(
+                h, names, scope, checker, before, tally is not None):
             result.num_transitions += 1
+            if tally is not None:
+                tally.add(families)
             if problems:
                 report(src, move, problems)
                 if stop_at_first:
@@ -408,6 +485,8 @@ def explore(policy: str = "fcfs", scope: Scope | None = None, *, check_refinemen
                 result.max_depth = max(result.max_depth, depth[dst])
                 if len(index) >= scope.max_states:
                     result.complete = False
+                elif scope.max_depth is not None and depth[dst] >= scope.max_depth:
+                    result.num_bounded += 1
                 else:
                     frontier.append((dst, h2))
             if keep_graph:
@@ -420,18 +499,28 @@ def explore(policy: str = "fcfs", scope: Scope | None = None, *, check_refinemen
     return result
 
 
-def _successors(h: Harness, names: list[str], scope: Scope, checker: StepChecker, before):
-    """Yield (move, new harness, problems, progress) for every move from `h`."""
+def _successors(h: Harness, names: list[str], scope: Scope, checker: StepChecker, before,
+                probe: bool = False):
+    """Yield (move, new harness, problems, progress, families) for every move from `h`."""
     s = h.scheduler
     live = len(names)
     check = before is not None
+    snap = cov.snapshot(s, [f.plan for f in h.inflight]) if probe else None
+    cov.take_hits()
 
-    def after_simple(move, fn):
+    def families(kind, h2, events):
+        if not probe:
+            return ()
+        return cov.observe(kind, snap, h2.scheduler, [f.plan for f in h2.inflight], events,
+                           cov.take_hits())
+
+    def after_simple(move, fn, kind=None):
         h2 = h.clone(stats=False)
         if not apply_move(h2, move, names, scope):
+            cov.take_hits()
             return None
         problems = fn(h2) if check else []
-        return move, h2, problems, False
+        return move, h2, problems, False, families(kind or move[0], h2, h2.last_events)
 
     if live < scope.max_live:
         for k, shape in enumerate(scope.shapes):
@@ -450,47 +539,70 @@ def _successors(h: Harness, names: list[str], scope: Scope, checker: StepChecker
     if scope.executor_loss and (s.running or s.blocks.evictable):
         yield after_simple(("lost",), lambda h2: checker.check_executor_lost(
             before, checker.state(h2), h2.last_events))
+    if scope.duplicates and h.last_answered is not None:
+        key = canonical_key(h, scope.horizon(s.config))[0] if check else None
+
+        def unchanged(h2):
+            problems = [f"a duplicated result produced events {h2.last_events}"] \
+                if h2.last_events else []
+            if canonical_key(h2, scope.horizon(s.config))[0] != key:
+                problems.append("a duplicated result (of a plan answered or voided) changed "
+                                "the core's state")
+            return problems
+        yield after_simple(("duplicate",), unchanged)
     if not live and not h.inflight:
         return
     if scope.max_inflight == 1:
         h1 = h.clone(stats=False)
         plan = h1.schedule()
         sched_events = h1.last_events
+        planned = families("schedule", h1, sched_events)
         mid = checker.state(h1) if check else None
         problems = checker.check_schedule(h1, before, mid, plan, sched_events) if check else []
         if plan.is_empty:
-            yield ("step", ()), h1, problems, False
+            yield ("step", ()), h1, problems, False, planned
             return
-        yield from _results(h1, names, scope, checker, mid, problems, "step", len(h1.inflight) - 1)
+        yield from _results(h1, names, scope, checker, mid, problems, "step", len(h1.inflight) - 1,
+                            planned if probe else None)
         return
     if live and len(h.inflight) < scope.max_inflight:
         h1 = h.clone(stats=False)
         plan = h1.schedule()
         problems = (checker.check_schedule(h1, before, checker.state(h1), plan, h1.last_events)
                     if check else [])
-        yield ("schedule",), h1, problems, False
+        yield ("schedule",), h1, problems, False, families("schedule", h1, h1.last_events)
     if h.inflight:
-        yield from _results(h, names, scope, checker, before, [], "complete", 0)
+        yield from _results(h, names, scope, checker, before, [], "complete", 0,
+                            set() if probe else None)
 
 
-def _results(h, names, scope, checker, before, problems, kind, index):
-    """Every outcome of answering the plan in flight at `index`."""
+def _results(h, names, scope, checker, before, problems, kind, index, planned=None):
+    """Every outcome of answering the plan in flight at `index` (with the families
+    each exercised, on top of `planned`, when probing)."""
     flight = h.inflight[index]
     where = {rid: i for i, rid in enumerate(names)}
+    snap = (cov.snapshot(h.scheduler, [f.plan for f in h.inflight], flight.plan)
+            if planned is not None else None)
     # Sampling end-of-sequence for a request already gone changes nothing.
     live = tuple(rid for rid in flight.samplers if rid in where)
     choices = list(_subsets(live)) if scope.eos else [()]
     for n, eos in enumerate(choices):
         # The last outcome may consume `h` itself when it is a private copy.
         h2 = h if (n == len(choices) - 1 and kind == "step") else h.clone(stats=False)
+        cov.take_hits()
         events = h2.complete(eos, index)
+        families = ()
+        if planned is not None:
+            families = set(planned) | cov.observe("result", snap, h2.scheduler,
+                                                  [f.plan for f in h2.inflight], events,
+                                                  cov.take_hits())
         out = list(problems)
         if before is not None:
             sampled = {rid: [0 if rid in eos else 1] for rid in flight.samplers}
             out += checker.check_update(before, checker.state(h2), flight.plan.step_id,
                                         sampled, events)
         progress = any(e.token_ids or e.transition is RequestEventKind.FINISH for e in events)
-        yield (kind, tuple(sorted(where[r] for r in eos))), h2, out, progress
+        yield (kind, tuple(sorted(where[r] for r in eos))), h2, out, progress, families
 
 
 # ---- counterexamples --------------------------------------------------------------------
@@ -502,13 +614,14 @@ def replay(exploration: Exploration, moves: list[Move], *, checked: bool = True)
     h = CheckedHarness(config, cache) if checked else Harness(config, cache)
     horizon = scope.horizon(config)
     lines = []
-    for move in moves:
-        _, names = canonical_key(h, horizon)
-        lines.append(_call(h, move, names, scope))
-        try:
-            apply_move(h, move, names, scope)
-        except AssertionError:
-            break
+    with scope_patches(scope):
+        for move in moves:
+            _, names = canonical_key(h, horizon)
+            lines.append(_call(h, move, names, scope))
+            try:
+                apply_move(h, move, names, scope)
+            except AssertionError:
+                break
     return h, lines
 
 
@@ -521,6 +634,8 @@ def _call(h: Harness, move: Move, names: list[str], scope: Scope) -> str:
         return f"h.{kind}({names[move[1]]!r})"
     if kind == "lost":
         return "h.executor_lost()"
+    if kind == "duplicate":
+        return "h.redeliver()"
     if kind == "schedule":
         return "h.schedule()"
     return f"h.{kind}(eos={[names[i] for i in move[1]]!r})"
@@ -530,14 +645,20 @@ def counterexample_test(exploration: Exploration, moves: list[Move], problems: l
     """A pytest function that rebuilds the trace against the real `Scheduler`; each
     move is checked by `CheckedHarness`, so the test fails where the explorer did."""
     _, lines = replay(exploration, moves, checked=False)
+    retry = exploration.scope.admission_retry_steps
     head = [
         "from cadence.statemachine.config import CacheConfig, SchedulerConfig",
         "from cadence.spec.refinement import CheckedHarness",
         "",
         "",
         f"def test_{exploration.policy.replace('-', '_').replace(':', '_').replace('.', '_')}"
-        "_counterexample():",
+        f"_counterexample({'monkeypatch' if retry is not None else ''}):",
         f'    """Found by the explorer: {problems[0][:100]!s}"""'.replace('\\', '\\\\'),
+    ]
+    if retry is not None:  # the scope's admission retry window
+        head += ["    from cadence.statemachine import scheduler as core",
+                 f'    monkeypatch.setattr(core, "ADMISSION_RETRY_STEPS", {retry})']
+    head += [
         f"    h = CheckedHarness({exploration.config!r}, {exploration.cache_config!r})",
     ]
     return "\n".join(head + [f"    {line}" for line in lines] + [""])

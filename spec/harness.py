@@ -64,6 +64,9 @@ class Harness:
         self.num_added = 0
         self.recorder: TraceRecorder | None = TraceRecorder() if record else None
         self.last_events: list = []
+        # The last plan answered or voided by executor loss, with what was sampled:
+        # `redeliver` sends its result again.
+        self.last_answered: tuple[StepPlan, dict] | None = None
 
     # ---- queries -----------------------------------------------------------------
     @property
@@ -130,6 +133,9 @@ class Harness:
     def executor_lost(self) -> None:
         """The executor dies: plans in flight are void."""
         events = self.scheduler.executor_lost()
+        if self.inflight:
+            flight = self.inflight[-1]
+            self.last_answered = (flight.plan, {rid: [TOKEN] for rid in flight.samplers})
         self.inflight.clear()
         self.last_events = events
         self._record_events(self.tick, events)
@@ -154,8 +160,18 @@ class Harness:
         stop = set(eos)
         sampled = {rid: [EOS_TOKEN if rid in stop else TOKEN] for rid in flight.samplers}
         events = self.scheduler.update(flight.plan, StepResult(flight.plan.step_id, sampled))
+        self.last_answered = (flight.plan, sampled)
         self.last_events = events
         self._record_events(flight.plan.step_id, events)
+        return events
+
+    def redeliver(self) -> list:
+        """The executor sends the last answered (or voided) plan's result again: a
+        duplicated or stale result, which the core must ignore."""
+        plan, sampled = self.last_answered
+        events = self.scheduler.update(plan, StepResult(plan.step_id, sampled))
+        self.last_events = events
+        self._record_events(plan.step_id, events)
         return events
 
     def step(self, eos: Iterable[str] = ()) -> StepPlan:
@@ -319,6 +335,8 @@ def _clone_policy(policy, rmap: dict, config) -> SchedulingPolicy:
         new.__dict__.update(vars(policy))
         new.counters = dict(policy.counters)
         new.num_active = dict(policy.num_active)
+        if "_examined" in vars(policy):
+            new._examined = set(policy._examined)
         new.queues = {t: type(q)(_remap(entry, rmap) for entry in q)
                       for t, q in policy.queues.items()}
         new._seq = _clone_count(policy._seq)
@@ -329,7 +347,8 @@ def _clone_policy(policy, rmap: dict, config) -> SchedulingPolicy:
 
 
 _KEYED_FIELDS = frozenset({"config", "use_priority", "_heap", "_count", "_seq"})
-_FAIR_FIELDS = frozenset({"config", "counters", "queues", "num_active", "_count", "_seq"})
+_FAIR_FIELDS = frozenset({"config", "counters", "queues", "num_active", "_count", "_seq",
+                          "_examined"})
 
 
 _BLOCK_FIELDS = frozenset({"num_blocks", "block_size", "enable_prefix_caching", "ref_counts",

@@ -5,6 +5,11 @@ State invariants (items 1-8 on one state) are defined once, in
 ones that need a plan, a transition or a whole event sequence:
 
 - `plan_within_budget` (item 7, per plan), re-exported;
+- `plan_gives_every_request_a_token`: a request in a plan is scheduled for at
+  least one token (a plan made at zero budget must leave it out);
+- `inflight_within_budget` (item 7 with several plans in flight): every plan
+  in flight is within the budget and no request has more tokens scheduled
+  across them than it has computed;
 - `transition_events` (item 10 on one transition): the events a call returned
   match the phase changes, along table edges only;
 - `fcfs_within_class` (item 9) and `table_edges_only` / `completed_exactly_once`
@@ -33,10 +38,58 @@ __all__ = [
     "completed_hold_nothing_running_hold_enough", "queues_partition", "limits_respected",
     "plan_within_budget", "violations", "check_scheduler", "transition_events",
     "fcfs_within_class", "table_edges_only", "completed_exactly_once",
-    "core_table_matches_design", "trace_violations",
+    "core_table_matches_design", "trace_violations", "plan_gives_every_request_a_token",
+    "inflight_within_budget", "INFLIGHT_INVARIANTS", "OVERLAP_INVARIANTS",
 ]
 
-PLAN_INVARIANTS = {"plan_within_budget": plan_within_budget}
+
+def plan_gives_every_request_a_token(s, plan) -> list[str]:
+    """Every request a plan names is given at least one token."""
+    return [f"plan {plan.step_id} schedules {rid!r} for {n} tokens; at least 1 is required"
+            for rid, n in plan.num_scheduled_tokens.items() if n < 1]
+
+
+def inflight_within_budget(s, plans) -> list[str]:
+    """Item 7 across the plans in flight: each is within the token budget and
+    batch limit, its total is the sum of its entries, and no live request has
+    more tokens scheduled in flight than it has computed."""
+    c = s.config
+    out = []
+    in_flight: dict[str, int] = {}
+    for plan in plans:
+        tokens = plan.num_scheduled_tokens
+        total = sum(tokens.values())
+        if total != plan.total_num_scheduled_tokens:
+            out.append(f"plan {plan.step_id}: total_num_scheduled_tokens is "
+                       f"{plan.total_num_scheduled_tokens}, its entries sum to {total}")
+        if total > c.max_num_batched_tokens:
+            out.append(f"plan {plan.step_id} in flight schedules {total} tokens; "
+                       f"max_num_batched_tokens is {c.max_num_batched_tokens}")
+        if len(tokens) > c.batch_size_limit:
+            out.append(f"plan {plan.step_id} in flight batches {len(tokens)} requests; "
+                       f"the batch size limit is {c.batch_size_limit}")
+        for rid, n in tokens.items():
+            if s.requests.get(rid) is not None and s.requests[rid].admitted_step <= plan.step_id:
+                in_flight[rid] = in_flight.get(rid, 0) + n
+    for rid, n in in_flight.items():
+        r = s.requests[rid]
+        if r.state is fsm.RequestState.RUNNING and n > r.num_computed_tokens:
+            out.append(f"request {rid!r} has {n} tokens scheduled in flight but "
+                       f"num_computed_tokens is {r.num_computed_tokens}")
+    return out
+
+
+PLAN_INVARIANTS = {"plan_within_budget": plan_within_budget,
+                   "plan_gives_every_request_a_token": plan_gives_every_request_a_token}
+"""Predicates over one plan as made: (scheduler, plan) -> messages."""
+
+INFLIGHT_INVARIANTS = {"inflight_within_budget": inflight_within_budget}
+"""Predicates over every plan in flight after a move: (scheduler, plans) -> messages."""
+
+OVERLAP_INVARIANTS: dict[str, Callable] = {}
+"""Predicates for overlapped plans (a request in two plans at once, the second
+planned before the first's result), (scheduler, plans) -> messages; checked
+beside INFLIGHT_INVARIANTS after every move once overlapped scheduling lands."""
 
 _KIND_NAMES = {k: k.value for k in fsm.RequestEventKind}
 

@@ -22,7 +22,7 @@ from collections import deque
 
 import attrs
 
-from .explore import Exploration, Move, apply_move, canonical_key, replay, _call
+from .explore import Exploration, Move, apply_move, canonical_key, replay, scope_patches, _call
 
 BENIGN = frozenset({"add", "step", "schedule", "complete"})
 
@@ -157,7 +157,8 @@ def _lasso(ex, adj, comp, owner, u, v, e_index, loops_to_confirm) -> Starvation:
     loop = [ex.edges[e_index][2]] + [ex.edges[ei][2] for ei in reversed(loop_edges)]
     state, position = owner[u]
     prefix = ex.path_to(state)
-    return _confirm(ex, prefix, loop, position, loops_to_confirm)
+    with scope_patches(ex.scope):
+        return _confirm(ex, prefix, loop, position, loops_to_confirm)
 
 
 def _confirm(ex: Exploration, prefix, loop, position, loops) -> Starvation:

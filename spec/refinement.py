@@ -12,7 +12,9 @@ from __future__ import annotations
 from cadence.statemachine.invariants import violations
 
 from .harness import EOS_TOKEN, TOKEN, Harness
-from .invariants import plan_within_budget, transition_events
+from .invariants import (
+    INFLIGHT_INVARIANTS, OVERLAP_INVARIANTS, PLAN_INVARIANTS, transition_events,
+)
 from .reference import Abstraction, ReferenceSpec, RefRequest, RefState
 
 
@@ -59,7 +61,10 @@ class StepChecker:
                        events) -> list[str]:
         """A plan is one of the steps the spec allows, within budget."""
         s = h_after.scheduler
-        out = [f"plan_within_budget: {m}" for m in plan_within_budget(s, plan)]
+        out = [f"{name}: {m}" for name, pred in PLAN_INVARIANTS.items() for m in pred(s, plan)]
+        plans = [f.plan for f in h_after.inflight]
+        out += [f"{name}: {m}" for group in (INFLIGHT_INVARIANTS, OVERLAP_INVARIANTS)
+                for name, pred in group.items() for m in pred(s, plans)]
         out += self.spec.schedule_problems(before, after, plan.step_id, plan.num_scheduled_tokens,
                                            s.now_s)
         return out + transition_events(before, after, events)

@@ -5,7 +5,11 @@ shared prefixes, priorities and tenants, aborts, failures, plans (several in
 flight), results with or without end-of-sequence tokens, stale results, and
 executor loss. After every move it checks the invariants of DESIGN §4 and
 that the move refines the reference spec (`cadence.spec.refinement`); at the
-end it validates the recorded trace (`cadence.spec.trace`) and item 9.
+end it validates the recorded trace (`cadence.spec.trace`) and item 9. Each
+move reports the behaviour families it exercised (`cadence.spec.coverage`)
+through `hypothesis.event`, and the number reached through `target`. With
+`draw_config`, each run draws its own limits first, tight ones included: more
+seats than budget tokens, a budget below one prompt, few blocks.
 
 It is parameterised by configuration and policy, so a user checks their own
 policy the way they would test a store against a published state machine:
@@ -25,6 +29,7 @@ from __future__ import annotations
 import os
 from typing import Callable
 
+import attrs
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -33,6 +38,7 @@ from cadence.statemachine.config import CacheConfig, SchedulerConfig
 from cadence.statemachine.plan import StepResult
 from cadence.statemachine.policy import SchedulingPolicy
 
+from . import coverage as cov
 from .invariants import fcfs_within_class
 from .refinement import CheckedHarness, _diff
 from .trace import validate_trace
@@ -70,18 +76,49 @@ class SchedulerStateMachine(RuleBasedStateMachine):
     max_inflight: int = 2
     priorities: tuple[int, ...] = (0, 1, 2)
     tenants: tuple[str, ...] = ("a", "b")
+    draw_config: bool = False
 
     def __init__(self) -> None:
         super().__init__()
+        self._build()
+        self.answered: list = []
+        self.families: set[str] = set()
+
+    def _build(self) -> None:
         factory = type(self).make_policy
         policy = factory(self.config) if factory is not None else None
         self.h = CheckedHarness(self.config, self.cache_config, policy, record=True)
-        self.answered: list = []
+
+    def _watch(self, kind: str, move, plan=None):
+        """Make a move, reporting the families it exercised to Hypothesis."""
+        h = self.h
+
+        def run() -> list:
+            got = move()
+            return got if isinstance(got, list) else h.last_events
+        found = cov.watch(kind, h.scheduler, lambda: [f.plan for f in h.inflight], run, plan)
+        cov.hypothesis_report(found, self.families)
 
     # ---- clients -------------------------------------------------------------------
-    @initialize()
-    def start(self) -> None:
-        """Begin with an empty engine."""
+    @initialize(data=st.data())
+    def start(self, data) -> None:
+        """Begin with an empty engine; with `draw_config`, under limits drawn now:
+        seats up to twice the budget, budgets down to one token, few blocks."""
+        if not self.draw_config:
+            return
+        draw = data.draw
+        budget = draw(st.sampled_from([1, 2, 2, 3, 4, 6]), label="max_num_batched_tokens")
+        # Half the runs have more seats than budget tokens.
+        over = draw(st.booleans(), label="more seats than budget tokens")
+        seats = budget + draw(st.integers(1, 3)) if over else draw(st.integers(1, budget))
+        self.config = attrs.evolve(
+            self.config, max_num_seqs=seats, max_num_batched_tokens=budget,
+            enable_chunked_prefill=True,
+            admission_headroom_steps=draw(st.sampled_from([0, 0, 1, 4]), label="headroom"))
+        full = -(-self.config.max_model_len // self.cache_config.block_size)
+        self.cache_config = attrs.evolve(
+            self.cache_config, num_blocks=draw(st.integers(full, full + 4), label="num_blocks"))
+        self._build()
 
     @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(2, 9), min_size=1, max_size=5),
           max_tokens=st.integers(1, 4), priority=st.data(), tenant=st.data(),
@@ -100,14 +137,14 @@ class SchedulerStateMachine(RuleBasedStateMachine):
     def cancel(self, data, kind):
         """A client aborts a request, or the executor reports it failed."""
         rid = data.draw(st.sampled_from(sorted(self.h.scheduler.requests)))
-        getattr(self.h, kind)(rid)
+        self._watch(kind, lambda: getattr(self.h, kind)(rid))
 
     # ---- executor ------------------------------------------------------------------
     @precondition(lambda self: len(self.h.inflight) < self.max_inflight)
     @rule()
     def schedule(self):
         """Plan a step without answering it yet."""
-        self.h.schedule()
+        self._watch("schedule", self.h.schedule)
 
     @precondition(lambda self: self.h.inflight)
     @rule(data=st.data())
@@ -118,7 +155,7 @@ class SchedulerStateMachine(RuleBasedStateMachine):
         eos = data.draw(st.lists(st.sampled_from(flight.samplers), unique=True)) \
             if flight.samplers else []
         self.answered.append(flight.plan)
-        self.h.complete(eos, index)
+        self._watch("result", lambda: self.h.complete(eos, index), flight.plan)
 
     @precondition(lambda self: self.answered)
     @rule(data=st.data())
@@ -127,7 +164,8 @@ class SchedulerStateMachine(RuleBasedStateMachine):
         plan = data.draw(st.sampled_from(self.answered[-4:]))
         checker = self.h.checker
         before = checker.state(self.h)
-        self.h.scheduler.update(plan, StepResult(plan.step_id, {r: [1] for r in plan.num_scheduled_tokens}))
+        self._watch("duplicate", lambda: self.h.scheduler.update(
+            plan, StepResult(plan.step_id, {r: [1] for r in plan.num_scheduled_tokens})))
         problems = _diff("stale result", before, checker.state(self.h))
         assert not problems, problems
 
@@ -135,17 +173,18 @@ class SchedulerStateMachine(RuleBasedStateMachine):
     def step(self, eos):
         """Plan a step and answer it at once, the common case."""
         if len(self.h.inflight) < self.max_inflight:
-            self.h.schedule()
+            self._watch("schedule", self.h.schedule)
         if self.h.inflight:
             flight = self.h.inflight[0]
             self.answered.append(flight.plan)
-            self.h.complete(flight.samplers[:1] if eos else [], 0)
+            self._watch("result", lambda: self.h.complete(flight.samplers[:1] if eos else [], 0),
+                        flight.plan)
 
     @rule(roll=st.integers(0, 3))
     def executor_lost(self, roll):
         """The executor dies (on one roll in four, to leave runs time to build up)."""
         if roll == 0:
-            self.h.executor_lost()
+            self._watch("lost", self.h.executor_lost)
 
     # ---- whole-run checks ----------------------------------------------------------
     @invariant()
@@ -156,7 +195,8 @@ class SchedulerStateMachine(RuleBasedStateMachine):
                        max_num_seqs=self.config.max_num_seqs, stop_token_ids={0})
 
     def teardown(self):
-        """Item 9 over the whole run."""
+        """Item 9 over the whole run; the families it reached go to `target`."""
+        cov.hypothesis_target(self.families)
         c = self.config
         found = fcfs_within_class(
             self.h.records, self.cache_config.block_size,
@@ -178,10 +218,13 @@ def scheduler_state_machine(config: SchedulerConfig | None = None,
                             cache_config: CacheConfig | None = None,
                             make_policy: Callable[[SchedulerConfig], SchedulingPolicy] | None = None,
                             *, max_inflight: int = 2, name: str | None = None,
-                            max_examples: int | None = None) -> type[SchedulerStateMachine]:
-    """A `SchedulerStateMachine` subclass for one configuration; use its `.TestCase`."""
+                            max_examples: int | None = None,
+                            draw_config: bool = False) -> type[SchedulerStateMachine]:
+    """A `SchedulerStateMachine` subclass for one configuration; use its `.TestCase`.
+    `draw_config`: each run draws tight limits first (see `SchedulerStateMachine.start`)."""
     attrs_ = {"config": config or SMALL_CONFIG, "cache_config": cache_config or SMALL_CACHE,
-              "make_policy": make_policy, "max_inflight": max_inflight}
+              "make_policy": make_policy, "max_inflight": max_inflight,
+              "draw_config": draw_config}
     cls = type(name or f"StateMachine_{(config or SMALL_CONFIG).policy}",
                (SchedulerStateMachine,), attrs_)
     cls.TestCase.settings = state_machine_settings(max_examples)

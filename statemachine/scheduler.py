@@ -262,7 +262,8 @@ class Scheduler:
         if (failed is not None and failed[0] == self._queue_version and step_id < failed[2]
                 and (failed[1] == blocks.num_releases or blocks.num_free_blocks
                      - (self._watermark_blocks if self.running else 0) < self._min_need)):
-            pass  # the last pass's failure stands: nothing given back, or too little for anyone
+            # The last pass's failure stands: nothing given back, or too little for anyone.
+            self.collector.num_admission_memo_hits += 1
         elif len(policy) and ((budget > 0 and len(scheduled) < seats)
                               or getattr(policy, "preempts_running", True)):
             budget = self._admit(budget, seats, scheduled, new_requests, preempted,

@@ -92,6 +92,8 @@ class StatsCollector:
     num_scheduled_tokens: int = 0
     num_preemptions: int = 0
     num_recompute_tokens: int = 0
+    #: Steps whose admission pass was skipped because the last failed pass stood.
+    num_admission_memo_hits: int = 0
 
     def saw_time(self, now_s: float) -> None:
         if self.first_s is None:

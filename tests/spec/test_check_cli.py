@@ -5,20 +5,21 @@ import textwrap
 from cadence.spec.check import check_policy, main
 
 
-def test_a_clean_policy_exits_zero(capsys):
+def test_a_clean_policy_exits_zero(capsys, shared_explorer):
     assert main(["--policy", "deadline", "--no-stateful"]) == 0
     captured = capsys.readouterr()
     out = captured.out
     assert "deadline: CLEAN" in out and "states" in out and "1 clean, 0 with violations" in out
-    # Progress: each stage as it starts, on stderr.
-    stages = captured.err.splitlines()
-    assert [line.split("] ")[1] for line in stages] == [
-        "exploring every state at the small scope", "searching for starvation"]
-    assert all(line.startswith("[1/1 deadline, ") for line in stages)
+    assert "starvation search" in out and "coverage of deadline" in out
+    # Progress: each stage as it starts, on stderr, one exploration per CI scope.
+    stages = [line.split("] ")[1] for line in captured.err.splitlines()]
+    assert stages[:2] == ["exploring the small scope", "searching for starvation"]
+    assert {"exploring the tight scope", "exploring the pipelined scope"} <= set(stages)
+    assert all(line.startswith("[1/1 deadline, ") for line in captured.err.splitlines())
 
 
-def test_strict_priority_starves_with_a_printed_lasso(capsys):
-    assert main(["--policy", "strict-priority", "--no-stateful"]) == 1
+def test_strict_priority_starves_with_a_printed_lasso(capsys, shared_explorer):
+    assert main(["--policy", "strict-priority", "--no-stateful", "--scope", "small"]) == 1
     out = capsys.readouterr().out
     assert "strict-priority: VIOLATION" in out and "starvation" in out
     assert "def test_strict_priority_starves_" in out

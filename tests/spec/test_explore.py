@@ -4,43 +4,43 @@ Runs at CADENCE_SPEC_SCOPE (small by default); the state and transition
 counts are printed (pytest -s) and asserted to be non-trivial.
 """
 
-import attrs
 import pytest
 
-from cadence.spec.explore import SCOPES, Scope, Shape, canonical_key, explore
+from cadence.spec.explore import CI_SCOPES, SCOPES, Scope, Shape, canonical_key, explore
 from cadence.spec.harness import Harness
-from cadence.spec.liveness import find_starvation
 
 LIVE_POLICIES = ["fcfs", "priority", "deadline", "fair"]
-_cache: dict = {}
-
-
-def explored(policy: str, scope_name: str):
-    key = (policy, scope_name)
-    if key not in _cache:
-        ex = explore(policy, SCOPES[scope_name])
-        _cache[key] = (ex, find_starvation(ex) if not ex.violations else None)
-        print(f"\n{ex.summary()}")
-    return _cache[key]
+REACH_SCOPES = [name for name in CI_SCOPES if SCOPES[name].max_depth is not None]
 
 
 @pytest.mark.parametrize("policy", LIVE_POLICIES + ["strict-priority"])
-def test_every_reachable_state_is_safe_and_refines_the_spec(policy, spec_scope):
-    ex, _ = explored(policy, spec_scope)
+def test_every_reachable_state_is_safe_and_refines_the_spec(policy, spec_scope, exploration):
+    ex, _ = exploration(policy, spec_scope)
     assert not ex.violations, str(ex.violations[0])
     assert ex.complete
     assert ex.num_states > 1000 and ex.num_transitions > 5 * ex.num_states
 
 
+@pytest.mark.parametrize("scope_name", REACH_SCOPES)
+@pytest.mark.parametrize("policy", LIVE_POLICIES)
+def test_the_reach_scopes_are_safe_and_refine_the_spec(policy, scope_name, exploration):
+    """The depth-bounded scopes chosen for reach (preemption, pipelining, tight
+    budgets): every state within the bound is safe and every move refines the spec."""
+    ex, _ = exploration(policy, scope_name)
+    assert not ex.violations, str(ex.violations[0])
+    assert ex.complete and ex.num_bounded > 0
+    assert ex.num_states > 1000
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "priority", "deadline", "fair"])
-def test_no_starvation_within_scope(policy, spec_scope):
-    ex, live = explored(policy, spec_scope)
+def test_no_starvation_within_scope(policy, spec_scope, exploration):
+    ex, live = exploration(policy, spec_scope)
     assert live is not None and live.num_nodes > 0
     assert live.starvation is None, str(live.starvation)
 
 
-def test_strict_priority_starves_and_the_lasso_replays(spec_scope):
-    ex, live = explored("strict-priority", spec_scope)
+def test_strict_priority_starves_and_the_lasso_replays(spec_scope, exploration):
+    ex, live = exploration("strict-priority", spec_scope)
     s = live.starvation
     assert s is not None, "strict-priority must be reported as starving"
     assert s.confirmed
@@ -92,12 +92,3 @@ def test_a_broken_core_gives_a_shortest_runnable_counterexample(monkeypatch):
     test = namespace[next(k for k in namespace if k.startswith("test_"))]
     with pytest.raises(AssertionError):
         test()
-
-
-def test_pipelined_plans_are_explored():
-    scope = attrs.evolve(SCOPES["small"], name="pipelined", max_inflight=2,
-                         shapes=SCOPES["small"].shapes[:2], max_live=2)
-    ex = explore("fcfs", scope)
-    assert not ex.violations, str(ex.violations[0])
-    kinds = {e[2][0] for e in ex.edges}
-    assert {"schedule", "complete", "add", "abort", "lost"} <= kinds

@@ -75,3 +75,16 @@ def test_settings_follow_the_environment(monkeypatch):
     monkeypatch.setenv("CI", "true")
     assert state_machine_settings().derandomize
     assert os.environ["CI"] == "true"
+
+
+# Each run draws tight limits first: more seats than budget tokens, budgets below
+# one prompt, few blocks; the families each move exercised go to hypothesis.event.
+TestFcfsTight = scheduler_state_machine(attrs.evolve(SMALL_CONFIG, policy="fcfs"),
+                                        draw_config=True, name="TightFcfs").TestCase
+TestPriorityTight = scheduler_state_machine(attrs.evolve(SMALL_CONFIG, policy="priority"),
+                                            draw_config=True, name="TightPriority").TestCase
+TestDeadlineTight = scheduler_state_machine(
+    attrs.evolve(SMALL_CONFIG, policy="deadline", reject_late=True),
+    draw_config=True, name="TightDeadline").TestCase
+TestFairTight = scheduler_state_machine(attrs.evolve(SMALL_CONFIG, policy="fair"),
+                                        draw_config=True, name="TightFair").TestCase

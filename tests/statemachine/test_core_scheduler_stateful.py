@@ -33,6 +33,9 @@ from cadence.statemachine.plan import RequestEvent, StepPlan, StepResult
 from cadence.statemachine.request import Request, SamplingLimits
 from cadence.statemachine.scheduler import Scheduler
 
+from cadence.spec import coverage as cov
+from cadence.spec.coverage import hypothesis_report as report_families
+
 from core_helpers import EOS, FILLER, STOP, examples, make_request, make_scheduler, step
 
 E = RequestEventKind
@@ -79,9 +82,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         block_size = draw(st.sampled_from([1, 2, 4]), label="block_size")
         max_model_len = draw(st.integers(6, 32), label="max_model_len")
         chunked = draw(st.sampled_from([True, True, True, False]), label="chunked prefill")
-        budget = (draw(st.integers(3, 24), label="budget") if chunked
+        # With chunking, budgets reach below one prompt and below the seats.
+        budget = (draw(st.integers(1, 24), label="budget") if chunked
                   else max_model_len + draw(st.integers(0, 6), label="extra budget"))
-        max_num_seqs = draw(st.integers(1, 4), label="max_num_seqs")
+        max_num_seqs = draw(st.integers(1, 6), label="max_num_seqs")
         config = SchedulerConfig(
             policy=self.policy,
             max_num_seqs=max_num_seqs,
@@ -134,6 +138,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.held: tuple[StepPlan, StepResult] | None = None
         self.answered: list[tuple[StepPlan, StepResult]] = []
         self.lost: list[StepPlan] = []
+        self.families: set[str] = set()
+        if max_num_seqs > budget:
+            event("more seats than budget tokens")
         for _ in range(draw(st.integers(0, 4), label="initial requests")):
             self._add(data)
 
@@ -345,7 +352,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         s = self.s
         before = {rid: (r.state, r.num_computed_tokens, r.num_skips, len(r.output_token_ids))
                   for rid, r in s.requests.items()}
-        plan = s.schedule(self.clock)
+        made = []
+
+        def move() -> list[RequestEvent]:
+            made.append(s.schedule(self.clock))
+            return list(s._events)
+        in_flight = lambda: [self.held[0]] if self.held is not None else []  # noqa: E731
+        report_families(cov.watch("schedule", s, in_flight, move), self.families)
+        plan = made[0]
         events = s.take_events()
         self._observe(events)
         self._check_plan(plan, before, events)
@@ -488,6 +502,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         """Drain: step until nothing is live, bounded; then every request has
         completed exactly once and no block is referenced."""
         s = self.s
+        if s is not None:
+            cov.hypothesis_target(self.families)
         if s is None or sys.exc_info()[0] is not None:
             return  # set-up never ran, or the run already failed: draining would only add noise
         if self.held is not None:

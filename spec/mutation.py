@@ -1,0 +1,397 @@
+"""Mutation testing of the scheduling core: how many seeded bugs do the fast suites kill?
+
+    python -m cadence.spec.mutation [--jobs 2] [--max-mutants 120] [--seed 0]
+                                    [--file scheduler.py] [--only ID ...] [--list]
+
+Each mutant is one small change to one file of `statemachine/` (a comparison
+flipped, an arithmetic or boolean operator swapped, a constant moved by one, a
+statement dropped), made on the syntax tree and written into a temporary copy of
+the package; the real files are never touched. The CI profile of the fast suites
+(`FAST_SUITES`, with CI=true) runs against each mutant, several at once, and stops
+at its first failure. A mutant is *killed* when a test fails (or the run exceeds
+its time limit, reported apart as *timeout*: an infinite loop is a failure too,
+but only a limit well above the unmutated run's time tells one from a slow
+machine, so keep `--timeout-factor` at 2 or more), *survived* when every test
+passes, and *equivalent* when its id is in `EQUIVALENT`, where each entry says
+why no test can tell it from the original.
+
+Operators apply only to code that makes decisions: docstrings, error messages,
+statistics and the `SKIP_FUNCTIONS` listed below are left alone, so every
+survivor is worth a look. Mutant ids are `file:line:col:operator`, stable while
+the file is unchanged, so a survivor can be rerun with `--only`.
+
+A tool of its own rather than mutmut or cosmic-ray: the operators are curated
+for this core (no string, message or statistics mutants to triage), mutants run
+in parallel in throwaway trees with no configuration or session database, and
+the suites run exactly as CI runs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import concurrent.futures
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+import attrs
+
+ROOT = Path(__file__).resolve().parent.parent
+CORE = ROOT / "statemachine"
+SIBLINGS = ("spec", "actors", "gpu")
+"""Packages linked, unmutated, beside the mutated core in each temporary tree."""
+
+FAST_SUITES = (
+    "tests/statemachine",
+    "tests/spec/test_core_bugs.py",
+    "tests/spec/test_reference.py",
+    "tests/spec/test_stateful.py",
+    "tests/spec/test_trace.py",
+    "tests/spec/test_coverage.py",
+)
+"""The CI profile's fast tests: the core's unit and stateful tests and the spec
+tests that do not explore a whole scope (the reach scopes' tests do, quickly)."""
+
+FILES = ("scheduler.py", "blocks.py", "policy.py", "fsm.py", "request.py", "plan.py")
+"""Files of `statemachine/` mutated by default: the ones that decide. Left out: stats,
+sampling and errors (no decisions), config (validation whose messages the tests
+pin), invariants (the checker itself: a weakened predicate is a passing check;
+`--file invariants.py` measures the tests of the tests)."""
+
+SKIP_FUNCTIONS = {
+    # Counters for reports; no decision reads them.
+    "stats", "saw_time", "_attach_logprobs", "usage", "summary",
+    # Representations and error text.
+    "__repr__", "__str__",
+    # The invariants' own messages are checked by the tests of the invariants;
+    # mutating the predicates themselves is kept (see FILES).
+}
+
+EQUIVALENT: dict[str, str] = {
+    # id -> why no test can distinguish the mutant from the original.
+    # Survivors of the runs so far were otherwise killed by tests in
+    # tests/statemachine/test_core_mutation_kills.py; mutants of type annotations,
+    # which are never evaluated in these modules, are no longer generated.
+    "scheduler.py:262:72:compare":
+        # `step_id < failed[2]` -> `<=`: the failed-admission memo stands one step
+        # longer (ADMISSION_RETRY_STEPS + 1). The window is a tuning constant: it
+        # changes when a failed pass is looked at again, never what may be admitted,
+        # and no property of DESIGN §4 names the retry step. Not equivalent in
+        # timing; equivalent for every specified property.
+        "the admission memo's retry window one step longer (timing only)",
+}
+
+
+@attrs.frozen
+class Mutant:
+    """One change to one file: where, which operator, and the mutated source."""
+
+    id: str
+    path: str
+    line: int
+    operator: str
+    description: str
+
+    def __str__(self) -> str:
+        return f"{self.id}  {self.description}"
+
+
+# ---- operators -----------------------------------------------------------------------
+_COMPARE_SWAPS = {
+    ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt,
+    ast.Eq: ast.NotEq, ast.NotEq: ast.Eq, ast.Is: ast.IsNot, ast.IsNot: ast.Is,
+    ast.In: ast.NotIn, ast.NotIn: ast.In,
+}
+_BINOP_SWAPS = {
+    ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.FloorDiv, ast.FloorDiv: ast.Mult,
+    ast.Div: ast.Mult, ast.Mod: ast.FloorDiv, ast.LShift: ast.RShift, ast.RShift: ast.LShift,
+    ast.BitAnd: ast.BitOr, ast.BitOr: ast.BitAnd,
+}
+_BOOL_SWAPS = {ast.And: ast.Or, ast.Or: ast.And}
+
+
+def _points(tree: ast.Module) -> Iterator[tuple[ast.AST, str, str, int]]:
+    """Every mutation point of a module: (node, operator name, description, variant)."""
+    for func, node in _walk_decisions(tree):
+        if isinstance(node, ast.Compare):
+            for i, op in enumerate(node.ops):
+                if type(op) in _COMPARE_SWAPS:
+                    new = _COMPARE_SWAPS[type(op)].__name__
+                    yield node, "compare", f"{type(op).__name__} -> {new}", i
+        elif isinstance(node, ast.BinOp) and type(node.op) in _BINOP_SWAPS:
+            yield node, "arith", f"{type(node.op).__name__} -> {_BINOP_SWAPS[type(node.op)].__name__}", 0
+        elif isinstance(node, ast.AugAssign) and type(node.op) in _BINOP_SWAPS:
+            yield node, "augassign", f"{type(node.op).__name__}= -> {_BINOP_SWAPS[type(node.op)].__name__}=", 0
+        elif isinstance(node, ast.BoolOp):
+            yield node, "boolop", f"{type(node.op).__name__} -> {_BOOL_SWAPS[type(node.op)].__name__}", 0
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            yield node, "not", "drop `not`", 0
+        elif (isinstance(node, ast.Constant) and type(node.value) in (int, bool)
+              and not isinstance(getattr(node, "_parent", None), ast.Subscript)):
+            yield node, "constant", f"{node.value!r} -> {_constant(node.value)!r}", 0
+        elif isinstance(node, ast.Break):
+            yield node, "break", "break -> continue", 0
+        elif isinstance(node, ast.Continue):
+            yield node, "continue", "continue -> pass", 0
+        if (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+                and _is_statement(node)):
+            # A call for its effect (free, push, append, fire): dropping it is a
+            # forgotten step. Assignments are left alone: dropping one is a NameError.
+            yield node, "drop", "statement dropped", 1
+
+
+def _constant(value):
+    if isinstance(value, bool):
+        return not value
+    return 1 if value == 0 else (0 if value == 1 else value + 1)
+
+
+def _is_statement(node) -> bool:
+    return getattr(node, "_in_body", False)
+
+
+def _walk_decisions(tree: ast.Module) -> Iterator[tuple[str, ast.AST]]:
+    """Nodes inside functions, less docstrings, raise statements (their messages)
+    and the functions of SKIP_FUNCTIONS."""
+    def visit(node, func):
+        for field, value in ast.iter_fields(node):
+            children = value if isinstance(value, list) else [value]
+            if field in ("annotation", "returns"):
+                continue  # annotations are strings here (`from __future__ import annotations`)
+            for child in children:
+                if not isinstance(child, ast.AST):
+                    continue
+                child._parent = node
+                if field in ("body", "orelse", "finalbody") and isinstance(child, ast.stmt):
+                    child._in_body = True
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    if child.name in SKIP_FUNCTIONS:
+                        continue
+                    yield from visit(child, child.name)
+                    continue
+                if isinstance(child, (ast.Raise, ast.JoinedStr, ast.Assert)):
+                    continue
+                if (isinstance(child, (ast.Expr, ast.Assign, ast.AugAssign))
+                        and _touches_statistics(child)):
+                    continue  # counters for reports
+                if isinstance(child, (ast.AnnAssign,)) and func is None:
+                    continue  # class fields: defaults are configuration, checked elsewhere
+                if func is not None and not isinstance(child, ast.arguments):
+                    yield func, child
+                if not isinstance(child, ast.arguments):
+                    yield from visit(child, func)
+    yield from visit(tree, None)
+
+
+def _touches_statistics(node) -> bool:
+    return any((isinstance(n, ast.Attribute) and n.attr == "collector")
+               or (isinstance(n, ast.Name) and n.id == "collector") for n in ast.walk(node))
+
+
+def _apply(node: ast.AST, operator: str, variant: int) -> None:
+    if operator == "compare":
+        node.ops[variant] = _COMPARE_SWAPS[type(node.ops[variant])]()
+    elif operator in ("arith", "augassign"):
+        node.op = _BINOP_SWAPS[type(node.op)]()
+    elif operator == "boolop":
+        node.op = _BOOL_SWAPS[type(node.op)]()
+    elif operator == "constant":
+        node.value = _constant(node.value)
+    elif operator == "not":
+        parent = node._parent
+        for field, value in ast.iter_fields(parent):
+            if value is node:
+                setattr(parent, field, node.operand)
+            elif isinstance(value, list) and node in value:
+                value[value.index(node)] = node.operand
+    elif operator == "break":
+        _replace_stmt(node, ast.Continue())
+    elif operator in ("continue", "drop"):
+        _replace_stmt(node, ast.Pass())
+
+
+def _replace_stmt(node, new) -> None:
+    parent = node._parent
+    for field in ("body", "orelse", "finalbody"):
+        body = getattr(parent, field, None)
+        if isinstance(body, list) and node in body:
+            body[body.index(node)] = ast.copy_location(new, node)
+            return
+
+
+def enumerate_mutants(files: tuple[str, ...] = FILES) -> list[tuple[Mutant, str]]:
+    """Every mutant of `files`, with its mutated source, in a stable order."""
+    out = []
+    for name in files:
+        path = CORE / name
+        source = path.read_text()
+        tree = ast.parse(source)
+        points = list(_points(tree))
+        seen: dict[str, int] = {}
+        for index, (node, operator, description, variant) in enumerate(points):
+            base = f"{name}:{node.lineno}:{node.col_offset}:{operator}"
+            n = seen.get(base, 0)
+            seen[base] = n + 1
+            mid = base if n == 0 else f"{base}:{n}"
+            mutated = ast.parse(source)
+            target = list(_points(mutated))[index][0]
+            _apply(target, operator, variant)
+            try:
+                new_source = ast.unparse(mutated)
+                compile(new_source, name, "exec")
+            except (SyntaxError, ValueError, RecursionError):
+                continue
+            out.append((Mutant(mid, name, node.lineno, operator,
+                               f"{description}: {_line(source, node.lineno)}"), new_source))
+    return out
+
+
+def _line(source: str, lineno: int) -> str:
+    return source.splitlines()[lineno - 1].strip()[:90]
+
+
+# ---- running -------------------------------------------------------------------------
+@attrs.define
+class Outcome:
+    """What the fast suites did against one mutant."""
+
+    mutant: Mutant
+    verdict: str  # killed | survived | equivalent | timeout
+    first_failure: str = ""
+    seconds: float = 0.0
+
+
+def _tree_for(workdir: Path, name: str | None, source: str | None) -> Path:
+    """A temporary `cadence` package: a copy of the core (one file mutated), links to the rest."""
+    pkg = workdir / "cadence"
+    shutil.copytree(CORE, pkg / "statemachine", ignore=shutil.ignore_patterns("__pycache__"))
+    for sibling in SIBLINGS:
+        if (ROOT / sibling).exists():
+            (pkg / sibling).symlink_to(ROOT / sibling)
+    if name is not None:
+        (pkg / "statemachine" / name).write_text(source)
+    return workdir
+
+
+def run_suites(name: str | None, source: str | None, suites: tuple[str, ...],
+               timeout_s: float) -> tuple[int | None, str, float]:
+    """Run `suites` against the core with `name` replaced by `source` (None: unchanged).
+    Returns (exit status or None on timeout, first failing test, seconds)."""
+    with tempfile.TemporaryDirectory(prefix="cadence-mutant-") as tmp:
+        tree = _tree_for(Path(tmp), name, source)
+        env = dict(os.environ, CI="true", PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
+        env.pop("CADENCE_EXPLORE", None)
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+               "--no-header", "-rf", *suites]
+        started = time.perf_counter()
+        try:
+            done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None, "(time limit)", time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        failed = re.search(r"^(?:FAILED|ERROR) (\S+)", done.stdout, re.M)
+        return done.returncode, failed.group(1) if failed else done.stdout[-300:], seconds
+
+
+def run_mutant(mutant: Mutant, source: str, suites, timeout_s) -> Outcome:
+    """Run the suites against one mutant and classify it."""
+    if mutant.id in EQUIVALENT:
+        return Outcome(mutant, "equivalent", EQUIVALENT[mutant.id])
+    code, failure, seconds = run_suites(mutant.path, source, suites, timeout_s)
+    if code is None:
+        return Outcome(mutant, "timeout", failure, seconds)
+    return Outcome(mutant, "survived" if code == 0 else "killed", "" if code == 0 else failure,
+                   seconds)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: enumerate, sample, run, print; exit 1 if any mutant survived."""
+    parser = argparse.ArgumentParser(prog="python -m cadence.spec.mutation",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2)))
+    parser.add_argument("--max-mutants", type=int, default=None,
+                        help="run a seeded sample of this many mutants (default: all)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--file", action="append", help="core file(s) to mutate (default: FILES)")
+    parser.add_argument("--only", nargs="+", default=None, help="mutant ids to run")
+    parser.add_argument("--suite", action="append", help="test paths (default: FAST_SUITES)")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="append one JSON line per mutant to this file")
+    parser.add_argument("--timeout-factor", type=float, default=3.0,
+                        help="a mutant's run may take this many times the unmutated run")
+    parser.add_argument("--limit-s", type=float, default=None,
+                        help="per-mutant time limit in seconds; skips the unmutated run "
+                             "that otherwise sets it (use after a clean run of the suites)")
+    args = parser.parse_args(argv)
+    suites = tuple(args.suite or [s for s in FAST_SUITES if (ROOT / s.split("::")[0]).exists()])
+    mutants = enumerate_mutants(tuple(args.file or FILES))
+    if args.only:
+        wanted = set(args.only)
+        mutants = [m for m in mutants if m[0].id in wanted]
+    elif args.max_mutants is not None and args.max_mutants < len(mutants):
+        mutants = sorted(random.Random(args.seed).sample(mutants, args.max_mutants),
+                         key=lambda m: (m[0].path, m[0].line))
+    if args.list:
+        for m, _ in mutants:
+            print(m)
+        print(f"{len(mutants)} mutants")
+        return 0
+    started = time.perf_counter()
+    if args.limit_s is None:
+        code, failure, baseline = run_suites(None, None, suites, 3600)
+        if code != 0:
+            print(f"the unmutated core fails the suites ({failure}); nothing to measure")
+            return 2
+        timeout_s = max(60.0, args.timeout_factor * baseline)
+    else:
+        timeout_s = baseline = args.limit_s
+        print("note: with --limit-s, a timeout is a kill only if the limit is well above "
+              "the unmutated suites' time on this machine", flush=True)
+    print(f"{len(mutants)} mutants, suites {' '.join(suites)}; unmutated run {baseline:.0f}s, "
+          f"limit {timeout_s:.0f}s per mutant, {args.jobs} at once", flush=True)
+    outcomes: list[Outcome] = []
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        futures = [pool.submit(run_mutant, m, src, suites, timeout_s) for m, src in mutants]
+        for future in concurrent.futures.as_completed(futures):
+            o = future.result()
+            outcomes.append(o)
+            detail = f"  <- {o.first_failure}" if o.first_failure else ""
+            print(f"{o.verdict:10s} {o.mutant}{detail}", flush=True)
+            if args.out is not None:
+                with args.out.open("a") as f:
+                    f.write(json.dumps({"id": o.mutant.id, "verdict": o.verdict,
+                                        "first_failure": o.first_failure,
+                                        "description": o.mutant.description,
+                                        "seconds": round(o.seconds, 1)}) + "\n")
+    return report(outcomes, time.perf_counter() - started)
+
+
+def report(outcomes: list[Outcome], seconds: float) -> int:
+    """Print the score; 1 if any non-equivalent mutant survived."""
+    count = {v: sum(o.verdict == v for o in outcomes)
+             for v in ("killed", "timeout", "survived", "equivalent")}
+    killed = count["killed"] + count["timeout"]
+    scored = killed + count["survived"]
+    score = 100.0 * killed / scored if scored else 100.0
+    print(f"\n{len(outcomes)} mutants: {count['killed']} killed, {count['timeout']} killed by "
+          f"the time limit, {count['survived']} survived, {count['equivalent']} equivalent; "
+          f"score {score:.1f}% of non-equivalent mutants killed; {seconds:.0f}s")
+    for o in sorted(outcomes, key=lambda o: o.mutant.id):
+        if o.verdict == "survived":
+            print(f"  survived: {o.mutant}")
+    return 1 if count["survived"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Tests written against mutants of the core that survived the fast suites
+(`python -m cadence.spec.mutation`): each pins a behaviour no other test did."""
+
+from __future__ import annotations
+
+import pytest
+
+from cadence.statemachine.blocks import NO_PARENT, block_keys_for
+from cadence.statemachine.config import SchedulerConfig
+from cadence.statemachine.policy import make_policy
+
+from core_helpers import make_request
+
+
+def test_a_wide_token_key_is_parent_header_then_the_tokens_spelled_out():
+    """The documented layout, parent hash in 8 bytes then one header byte, also
+    when a token id does not fit in 32 bits."""
+    wide = 2 ** 40
+    key = block_keys_for([wide, 7], 2, None)[0]
+    assert key[:8] == NO_PARENT.to_bytes(8, "little", signed=True)
+    assert key[8] == 1  # the header: tokens spelled out, no salt
+    assert key[9:] == repr((wide, 7)).encode()
+    salted = block_keys_for([wide, 7], 2, "s")[0]
+    assert salted[8] == 3 and salted.endswith(b"s")
+
+
+BUILT_IN = ("fcfs", "priority", "strict-priority", "deadline", "fair", "weighted")
+
+
+@pytest.mark.parametrize("name", BUILT_IN)
+def test_removing_a_request_already_popped_changes_nothing(name):
+    """A request the policy handed out is no longer its to remove: the count and
+    the order of those still waiting are untouched."""
+    policy = make_policy(SchedulerConfig(policy=name))
+    a, b = make_request("a", 3, arrival_s=0.0), make_request("b", 3, arrival_s=1.0)
+    policy.push(a)
+    policy.push(b)
+    first = policy.pop()
+    policy.remove(first)
+    assert len(policy) == 1
+    assert policy.pop() is (b if first is a else a)
+    assert len(policy) == 0 and policy.pop() is None
+
+
+@pytest.mark.parametrize("name", BUILT_IN)
+def test_a_policy_that_never_preempts_says_so_for_every_pair(name):
+    """`preempts_running` False is a promise that `may_preempt` is never true (the
+    scheduler skips the scan on it)."""
+    policy = make_policy(SchedulerConfig(policy=name))
+    if getattr(policy, "preempts_running", True):
+        assert policy.may_preempt(make_request("hi", 3, priority=0, arrival_s=0.0),
+                                  make_request("lo", 3, priority=5, arrival_s=9.0))
+        return
+    for wp, rp in ((0, 5), (5, 0), (1, 1)):
+        assert not policy.may_preempt(make_request("w", 3, priority=wp, arrival_s=0.0),
+                                      make_request("r", 3, priority=rp, arrival_s=9.0))
