@@ -88,6 +88,13 @@ EQUIVALENT: dict[str, str] = {
         # and no property of DESIGN §4 names the retry step. Not equivalent in
         # timing; equivalent for every specified property.
         "the admission memo's retry window one step longer (timing only)",
+    "scheduler.py:492:27:compare":
+        # `has_room = budget > 0` -> `>= 0` in `_admit`'s re-check after a
+        # displacement. A displacement for budget or a seat takes only a victim
+        # scheduled in this step, which gives back its tokens (at least one: no
+        # plan schedules a request for zero); one for a running slot leaves the
+        # budget as it was, already above zero. So the re-check never sees zero.
+        "the budget after a displacement is never zero",
 }
 
 

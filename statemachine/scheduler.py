@@ -482,8 +482,11 @@ class Scheduler:
             # displace a running one goes on, only if displacing could also make
             # room for its blocks, and only once it has made room.
             while not has_room or len(self.running) >= max_seqs:
+                # Short of budget or a batch seat, only a victim scheduled in this step
+                # gives one back; short of a running slot, any victim does.
                 if (not chunking and n > config.max_num_batched_tokens) or not self._preempt_for(
-                        request, hits, scheduled, new_block_ids, preempted):
+                        request, hits, scheduled, new_block_ids, preempted,
+                        only_scheduled=not has_room):
                     break
                 budget = config.max_num_batched_tokens - sum(scheduled.values())
                 has_room = budget > 0 and len(scheduled) < seats
@@ -713,16 +716,20 @@ class Scheduler:
         self._events.append(RequestEvent(request.request_id, E.ADMIT))
 
     def _preempt_for(self, waiting: Request, hits: list[int], scheduled, new_block_ids,
-                     preempted) -> bool:
+                     preempted, only_scheduled: bool = False) -> bool:
         """Preempt one running request the policy lets `waiting` displace, but only if
-        displacing all of them would free enough blocks for `waiting` to fit."""
+        displacing all of them would free enough blocks for `waiting` to fit.
+
+        only_scheduled: consider only requests scheduled in this step (a request left
+        out of it, or whose token is still in flight, holds no budget to give back)."""
         policy = self.policy
         if not getattr(policy, "preempts_running", True):
             return False
         # Requests admitted in this step came earlier in the policy's order: never victims.
         step_id = self.step_id - 1
         candidates = [r for r in self.running
-                      if r.admitted_step != step_id and policy.may_preempt(waiting, r)]
+                      if r.admitted_step != step_id and policy.may_preempt(waiting, r)
+                      and (not only_scheduled or r.request_id in scheduled)]
         if not candidates or not self._room_after_preempting(waiting, hits, candidates):
             return False
         self._preempt(policy.victim(candidates), scheduled, new_block_ids, preempted)
