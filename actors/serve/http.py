@@ -194,6 +194,7 @@ class HttpServer:
         self.address: tuple[str, int] | None = None
         self.exchanges: set[_Exchange] = set()
         self.live: dict[str, Choice] = {}  # by request id, from admission to release
+        self._none_live = trio.Event()  # set when `live` empties (see wait_released)
         self.chat = server.chat
         self.token_text = _token_text_function(self.engine.tokenizer)
         self._num_requests = 0
@@ -494,6 +495,16 @@ class HttpServer:
             choice.released = True
             del self.live[choice.state.request_id]
             self.server.stream_finished(choice.state)
+            if not self.live:
+                self._none_live.set()
+
+    async def wait_released(self) -> None:
+        """Wait until every admitted request has been released (its answer sent or
+        its client gone), so a drained server holds none."""
+        while self.live:
+            if self._none_live.is_set():
+                self._none_live = trio.Event()
+            await self._none_live.wait()
 
     def abort_for_shutdown(self) -> None:
         """The drain's grace is over: abort every running request (its answer ends

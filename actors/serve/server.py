@@ -208,6 +208,8 @@ class Server(Front):
                 await self._drain()
                 # The watchdog still guards the connections' last writes.
                 await self.wait_connections_gone()
+                if self.http is not None:
+                    await self.http.wait_released()
                 watchdog.cancel()
         finally:
             await self.close_listeners(listeners)
