@@ -47,7 +47,7 @@ from .metrics import NullMetrics
 
 __all__ = ["Front", "Connection", "StreamState", "Outbox", "Fatal", "fatal", "refuse", "tokens_match",
            "bare_errors",
-           "positive", "port_number", "DEFAULT_OUTPUT_QUEUE_BYTES"]
+           "positive", "port_number", "DEFAULT_OUTPUT_QUEUE_BYTES", "DEFAULT_REFUSED_BYTES_PER_S"]
 
 _log = logging.getLogger("cadence.connection")
 
@@ -75,6 +75,10 @@ _SHED_BATCH = 64
 # Bytes of queued frames per connection before its streams wait (one frame
 # always fits, however large).
 DEFAULT_OUTPUT_QUEUE_BYTES = 1 << 20
+# Bytes of refused requests a connection may send per second: past that its next
+# frames are read later, so requests that are costly to refuse (megabyte prompts)
+# cannot take the event loop from other clients.
+DEFAULT_REFUSED_BYTES_PER_S = 4 << 20
 # After connections close, hand freed heap pages back to the system at most this often.
 _TRIM_INTERVAL_S = 1.0
 
@@ -113,6 +117,8 @@ class StreamState:
     scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
     abort_requested: bool = False
     shutdown: bool = False
+    # Size of the Generate frame that opened it (a refusal pauses reads for it).
+    frame_bytes: int = 0
 
 
 _CLOSE_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
@@ -597,6 +603,9 @@ class Connection:
         # frame, so trickling bytes cannot keep a connection alive.
         self._handshake_deadline = trio.current_time() + self.config.handshake_timeout_s
         self._idle_since = trio.current_time()
+        # Reads pause until then after refused requests (`note_refusal`).
+        self._read_after = 0.0
+        self._frame_bytes = 0
         try:
             self.peer = str(stream.socket.getpeername()) or "unix"
         except OSError:
@@ -685,6 +694,8 @@ class Connection:
         buffer = FrameBuffer(self.config.max_frame_bytes)
         try:
             while True:
+                if self._read_after > trio.current_time():
+                    await trio.sleep_until(self._read_after)
                 try:
                     frame = buffer.next_frame()
                 except FrameTooLargeError as exc:
@@ -740,8 +751,19 @@ class Connection:
         if scope is not None and idle is not None and not self.streams and self._greeted:
             scope.deadline = now + idle
 
+    def note_refusal(self, num_bytes: int) -> None:
+        """A request of `num_bytes` from this client was refused: read its next
+        frames only after the time those bytes take at `refused_bytes_per_s`, so the
+        cost of refusing is the client's, not the other clients'. Small refusals
+        cost microseconds; a megabyte prompt a quarter second at the default."""
+        rate = self.config.refused_bytes_per_s
+        if rate is None:
+            return
+        self._read_after = max(self._read_after, trio.current_time()) + num_bytes / rate
+
     async def _on_frame(self, frame: bytes) -> None:
         self._idle_since = trio.current_time()
+        self._frame_bytes = len(frame)
         try:
             message = decode_request(frame)
         except MessageError as exc:
@@ -776,6 +798,7 @@ class Connection:
             # A refusal of one request: the client speaks the protocol, so it is
             # not counted against max_protocol_errors.
             metrics.on_rejected(exc.code.value)
+            self.note_refusal(self._frame_bytes)
             await self.send(Error(exc.code.value, str(exc), stream=stream))
             return
         metrics.on_protocol_error(exc.code.value)
@@ -819,6 +842,7 @@ class Connection:
             refusal = self.refuse_generate(message)
         if refusal is not None:
             self.metrics.on_rejected(refusal.code)
+            self.note_refusal(self._frame_bytes)
             await self.send(refusal)
             return
         await self.open_stream(message)
@@ -826,6 +850,7 @@ class Connection:
     def add_stream(self, state: StreamState, run, *args) -> None:
         """Make `state` live and run `run(state, *args)` in the streams' nursery;
         `run` must end with `end_stream`."""
+        state.frame_bytes = self._frame_bytes
         self.streams[state.stream] = state
         self.streams_nursery.start_soon(run, state, *args)
 

@@ -56,7 +56,8 @@ from ..wire import (
     ErrorCode, Generate, HealthReply, Output, ServerError, StatsReply, Welcome, encode, pack_frame,
 )
 from .connection import (
-    DEFAULT_OUTPUT_QUEUE_BYTES, Connection, Front, StreamState, bare_errors, port_number, positive,
+    DEFAULT_OUTPUT_QUEUE_BYTES, DEFAULT_REFUSED_BYTES_PER_S, Connection, Front, StreamState,
+    bare_errors, port_number, positive,
 )
 
 __all__ = [
@@ -159,8 +160,8 @@ class RouterConfig:
       lost before it produced output.
     max_frame_bytes, max_connections, max_inflight_per_connection,
     max_protocol_errors, idle_timeout_s, handshake_timeout_s, send_timeout_s,
-    output_queue_frames, output_queue_bytes: the client-side limits, with the
-      server's meaning (no idle timeout by default).
+    output_queue_frames, output_queue_bytes, refused_bytes_per_s: the client-side
+      limits, with the server's meaning (no idle timeout by default).
     """
 
     replicas: tuple = attrs.field(converter=_addresses)
@@ -192,6 +193,8 @@ class RouterConfig:
     send_timeout_s: float = attrs.field(default=30.0, validator=positive)
     output_queue_frames: int = attrs.field(default=64, validator=positive)
     output_queue_bytes: int = attrs.field(default=DEFAULT_OUTPUT_QUEUE_BYTES, validator=positive)
+    refused_bytes_per_s: float | None = attrs.field(default=DEFAULT_REFUSED_BYTES_PER_S,
+                                                    validator=positive)
 
     def __attrs_post_init__(self) -> None:
         if not self.replicas:

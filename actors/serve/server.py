@@ -55,7 +55,8 @@ from ..wire import (
     HealthReply, Output, StatsReply, Welcome, encode, pack_frame,
 )
 from .connection import (
-    DEFAULT_OUTPUT_QUEUE_BYTES, Connection, Front, bare_errors, port_number, positive, tokens_match,
+    DEFAULT_OUTPUT_QUEUE_BYTES, DEFAULT_REFUSED_BYTES_PER_S, Connection, Front, bare_errors,
+    port_number, positive, tokens_match,
 )
 from .metrics import NullMetrics, ServerMetrics, serve_metrics
 
@@ -98,6 +99,8 @@ class ServerConfig:
       long closes the connection (the client is not reading).
     output_queue_frames, output_queue_bytes: frames (and their bytes) queued
       per connection before its streams wait.
+    refused_bytes_per_s: bytes of refused requests a connection may send per second;
+      past that its next frames are read later (None: no pause).
     shutdown_grace_s: on shutdown, how long running requests may finish.
     metrics_host, metrics_port: Prometheus endpoint (None: off).
     """
@@ -116,6 +119,8 @@ class ServerConfig:
     send_timeout_s: float = attrs.field(default=30.0, validator=positive)
     output_queue_frames: int = attrs.field(default=64, validator=positive)
     output_queue_bytes: int = attrs.field(default=DEFAULT_OUTPUT_QUEUE_BYTES, validator=positive)
+    refused_bytes_per_s: float | None = attrs.field(default=DEFAULT_REFUSED_BYTES_PER_S,
+                                                    validator=positive)
     shutdown_grace_s: float = attrs.field(default=30.0, validator=attrs.validators.ge(0))
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = attrs.field(default=None, validator=port_number)
@@ -168,6 +173,7 @@ class _StreamState:
     started: bool = False
     abort_requested: bool = False
     shutdown: bool = False
+    frame_bytes: int = 0  # of the Generate that opened it (see Connection.note_refusal)
 
 
 class Server(Front):
@@ -346,6 +352,7 @@ class _ServerConnection(Connection):
                                        messages=None)
             except InvalidRequestError as exc:
                 server.metrics.on_rejected(ErrorCode.INVALID_REQUEST.value)
+                self.note_refusal(self._frame_bytes)
                 await self.send(Error(ErrorCode.INVALID_REQUEST.value, str(exc), stream=message.stream))
                 return
         state = _StreamState(message.stream, message.tenant, server.next_request_id(self.conn_id))
@@ -375,6 +382,7 @@ class _ServerConnection(Connection):
                 except CadenceError as exc:
                     code = _engine_error_code(exc, server.draining)
                     metrics.on_rejected(code.value)
+                    self.note_refusal(state.frame_bytes)
                     error = Error(code.value, str(exc), stream=state.stream)
                     return
                 state.started = True

@@ -153,3 +153,51 @@ async def test_a_tenant_cannot_probe_another_tenants_prompt_through_the_prefix_c
         assert right_guess == wrong_guess == 0
     else:
         assert (right_guess, wrong_guess) == (112, 32)
+
+
+@pytest.mark.parametrize("refusal", ["too_long_text", "bad_message"])
+async def test_a_costly_refusal_pauses_that_connection_alone(refusal):
+    """A refused request of N bytes holds back its connection's next frame for
+    N / refused_bytes_per_s, while another connection is answered at once: the cost
+    of refusing megabyte prompts falls on the client that sends them."""
+    rate = 200_000  # bytes per second: a 100 kB refusal pauses half a second
+    config = server_config(refused_bytes_per_s=rate)
+    async with open_server(engine_config(), config) as server:
+        abuser = await RawConnection.greeted(server)
+        neighbour = await RawConnection.greeted(server)
+        if refusal == "too_long_text":
+            frame = pack_frame(msgpack.packb(
+                [1, "Generate", {"stream": 1, "prompt": "x" * 100_000}], use_bin_type=True))
+        else:
+            frame = _generate_frame({"stream": 1, "prompt": [1], "x": "y" * 100_000})
+        await abuser.send_bytes(frame)
+        reply = await abuser.receive()
+        assert type(reply) is Error and reply.stream == 1 and not reply.fatal, reply
+        refused_at = trio.current_time()
+        await abuser.send(HealthQuery(9))
+        await neighbour.send(HealthQuery(8))
+        assert type(await neighbour.receive()) is HealthReply
+        neighbour_s = trio.current_time() - refused_at
+        assert type(await abuser.receive()) is HealthReply
+        abuser_s = trio.current_time() - refused_at
+        assert abuser_s >= 0.8 * len(frame) / rate
+        assert neighbour_s < abuser_s
+        await abuser.aclose()
+        await neighbour.aclose()
+        await settled(server)
+
+
+async def test_small_refusals_do_not_slow_a_client_down():
+    """Twenty refused one-token requests in a row cost microseconds of pause each."""
+    async with open_server(engine_config(), server_config()) as server:
+        conn = await RawConnection.greeted(server)
+        started = trio.current_time()
+        for stream in range(20):
+            await conn.send_bytes(_generate_frame({"stream": stream, "prompt": [-1]}))
+            reply = await conn.receive()
+            assert type(reply) is Error and reply.stream == stream, reply
+        # The pause is frame bytes over 4 MiB/s: far below what the round trips take.
+        assert server.config.refused_bytes_per_s == 4 << 20
+        assert trio.current_time() - started < 20 * 0.25
+        await conn.aclose()
+        await settled(server)
