@@ -95,6 +95,15 @@ EQUIVALENT: dict[str, str] = {
         # plan schedules a request for zero); one for a running slot leaves the
         # budget as it was, already above zero. So the re-check never sees zero.
         "the budget after a displacement is never zero",
+    "scheduler.py:229:16:break":
+        # The running loop's `break` when the budget or the seats run out -> `continue`:
+        # every later iteration meets the same test first (nothing in between changes
+        # the budget or `scheduled`) and continues, and the loop variable is not read
+        # after the loop. Only slower.
+        "the rest of the running loop skips every request anyway",
+    "blocks.py:155:11:compare":
+        # `if num_new < 0: num_new = 0` -> `<= 0`: at zero it sets zero.
+        "clamping zero to zero",
 }
 
 

@@ -54,3 +54,16 @@ def test_a_policy_that_never_preempts_says_so_for_every_pair(name):
     for wp, rp in ((0, 5), (5, 0), (1, 1)):
         assert not policy.may_preempt(make_request("w", 3, priority=wp, arrival_s=0.0),
                                       make_request("r", 3, priority=rp, arrival_s=9.0))
+
+
+def test_cached_blocks_that_already_hold_every_token_take_no_fresh_block():
+    """`allocate` given more cached blocks than its tokens need shares them and takes
+    no fresh block (the scheduler never asks this, the block manager still honours it)."""
+    from cadence.statemachine.blocks import BlockManager
+
+    manager = BlockManager(num_blocks=4, block_size=2)
+    assert manager.allocate("a", [], num_tokens=4)
+    shared = list(manager.tables["a"])
+    assert manager.allocate("b", shared, num_tokens=2)
+    assert manager.tables["b"] == shared
+    assert manager.num_free_blocks == 2
