@@ -26,36 +26,17 @@ import json
 import os
 import re
 import resource
-import signal
-import subprocess
 import sys
 
 import trio
 
 from cadence.actors.client import open_client
 from cadence.actors.serve.http_client import HttpApiError, SseConnection
+from server_child import serve_child
 
 _PROMPT = [1, 2, 3, 4]
 # Seconds a phase's connections may take to open before the clock starts.
 _CONNECT_TIMEOUT_S = 120.0
-
-
-def _start_server(num_streams: int, sim_step_us: float) -> tuple[subprocess.Popen, tuple, tuple]:
-    command = [
-        sys.executable, "-m", "cadence.actors.serve.server", "--port", "0", "--http-port", "0",
-        "--model", "simulated",
-        "--sim-step-us", str(sim_step_us), "--max-num-seqs", "1024",
-        "--max-num-batched-tokens", "32768", "--num-blocks", "32768",
-        "--max-connections", str(num_streams + 16), "--log-level", "warning",
-    ]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    line = process.stdout.readline()
-    tcp = re.search(r"tcp://([\d.]+):(\d+)", line)
-    http = re.search(r"http://([\d.]+):(\d+)/v1", line)
-    if tcp is None or http is None:
-        process.kill()
-        raise SystemExit(f"the server did not start: {line!r}")
-    return process, (tcp.group(1), int(tcp.group(2))), (http.group(1), int(http.group(2)))
 
 
 def _cpu_s(pid: int) -> float:
@@ -176,8 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < 2 * max(counts) + 64:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4 * max(counts) + 64), hard))
-    process, tcp, http = _start_server(max(counts), args.sim_step_us)
-    try:
+    with serve_child("--http-port", "0", "--sim-step-us", str(args.sim_step_us),
+                     "--max-num-seqs", "1024", "--max-num-batched-tokens", "32768",
+                     "--num-blocks", "32768", "--max-connections", str(max(counts) + 16),
+                     "--log-level", "warning") as child:
+        process, tcp, http = child
         for count in counts:
             phases = {kind: trio.run(_phase, kind, address, count, args.max_tokens, args.duration_s,
                                      process.pid)
@@ -193,12 +177,6 @@ def main(argv: list[str] | None = None) -> int:
                 "http_over_msgpack_itl_p50": _ratio(h["itl_p50_ms"], m["itl_p50_ms"]),
                 "http_over_msgpack_itl_p99": _ratio(h["itl_p99_ms"], m["itl_p99_ms"]),
             }), flush=True)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
     return 0
 
 

@@ -29,8 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
 import time
@@ -38,6 +36,7 @@ import time
 import trio
 
 from cadence.actors.client import open_client
+from server_child import serve_child
 from cadence.actors.wire import Generate, Hello, SamplingParams, ServerError, encode, pack_frame
 
 # Printable ASCII: what the simulated executor samples with the byte tokenizer.
@@ -52,18 +51,6 @@ def _percentile(values: list[float], q: float) -> float:
         return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def _start_server(step_us: float) -> tuple[subprocess.Popen, tuple[str, int]]:
-    command = [sys.executable, "-m", "cadence.actors.serve.server", "--port", "0",
-               "--model", "simulated", "--sim-step-us", str(step_us), "--log-level", "error"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    line = process.stdout.readline()
-    match = re.search(r"tcp://([\d.]+):(\d+)", line)
-    if match is None:
-        process.kill()
-        raise SystemExit(f"noisy_neighbour: the server did not start: {line!r}")
-    return process, (match.group(1), int(match.group(2)))
 
 
 async def _well_behaved(address, index: int, args, ttft: list[float], itl: list[float]) -> None:
@@ -165,24 +152,19 @@ async def _scenario(address, args) -> dict:
 
 
 def _run(args, num_abusers: int) -> dict:
-    process, address = _start_server(args.step_us)
-    abusers = None
-    try:
-        if num_abusers:
-            abusers = _start_abusers(address, args)
-            time.sleep(args.warmup_s)  # let the abuse reach its steady state
-        result = trio.run(_scenario, address, args)
-    finally:
-        if abusers is not None:
-            abusers.kill()
-            abusers.wait()
-        process.send_signal(signal.SIGINT)
-        process.send_signal(signal.SIGINT)  # the second signal closes at once
+    # Two signals: the second closes at once, whatever the abusers left behind.
+    with serve_child("--sim-step-us", str(args.step_us), "--log-level", "error",
+                     num_signals=2) as child:
+        abusers = None
         try:
-            process.wait(_WAIT_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-    return result
+            if num_abusers:
+                abusers = _start_abusers(child.tcp, args)
+                time.sleep(args.warmup_s)  # let the abuse reach its steady state
+            return trio.run(_scenario, child.tcp, args)
+        finally:
+            if abusers is not None:
+                abusers.kill()
+                abusers.wait()
 
 
 def main(argv: list[str] | None = None) -> int:

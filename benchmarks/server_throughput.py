@@ -20,32 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import resource
-import signal
-import subprocess
 import sys
 import time
 
 import trio
 
 from cadence.actors.client import open_client
-
-
-def _start_server(max_connections: int) -> tuple[subprocess.Popen, tuple[str, int]]:
-    command = [
-        sys.executable, "-m", "cadence.actors.serve.server", "--port", "0", "--model", "simulated",
-        "--sim-step-us", "0",
-        "--max-num-seqs", "1024", "--max-num-batched-tokens", "32768", "--num-blocks", "32768",
-        "--max-connections", str(max_connections + 16), "--log-level", "warning",
-    ]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    line = process.stdout.readline()
-    match = re.search(r"tcp://([\d.]+):(\d+)", line)
-    if match is None:
-        process.kill()
-        raise SystemExit(f"the server did not start: {line!r}")
-    return process, (match.group(1), int(match.group(2)))
+from server_child import serve_child
 
 
 async def _phase(address, num_connections: int, max_tokens: int, duration_s: float) -> dict:
@@ -121,19 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < max(counts) + 64:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(counts) * 2 + 64), hard))
-    process, address = _start_server(max(counts))
-    try:
+    with serve_child("--sim-step-us", "0", "--max-num-seqs", "1024",
+                     "--max-num-batched-tokens", "32768", "--num-blocks", "32768",
+                     "--max-connections", str(max(counts) + 16), "--log-level", "warning") as child:
         for count in counts:
             started = time.perf_counter()
-            result = trio.run(_measure, address, count, args.max_tokens, args.duration_s)
+            result = trio.run(_measure, child.tcp, count, args.max_tokens, args.duration_s)
             result["wall_s"] = round(time.perf_counter() - started, 1)
             print(json.dumps(result), flush=True)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
     return 0
 
 
