@@ -499,6 +499,10 @@ class SchedulerActor:
             self._marks[rid] = len(core.requests[rid].all_token_ids)
         if group is not None:
             self._groups = [g for g in self._groups if g is not group]
+            # Members the failed call did not run (not scheduled in that step) stay suspects.
+            rest = [rid for rid in group if rid not in part and rid in self._marks]
+            if rest:
+                self._groups.append(rest)
             if len(live) == 1:
                 rid = live[0]
                 # A fault that follows a request fails the same way each time; a

@@ -68,6 +68,10 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._events: list[RequestEvent] = []
         self._inflight: dict[int, StepPlan] = {}
+        # Requests whose computation was lost with the executor and has not finished
+        # a step since: their prefix may never get computed (the loss may follow
+        # them), so nobody waits for it.
+        self._lost: set[str] = set()
         self._deadline_of = getattr(self.policy, "deadline_of", None)
         self._checker = None
         # Admission memo: a pass that admitted nothing is not repeated until the
@@ -190,6 +194,7 @@ class Scheduler:
             request.num_computed_tokens = 0
             self.policy.push(request)
             self._queue_version += 1
+            self._lost.add(request.request_id)
             events.append(RequestEvent(request.request_id, E.EXECUTOR_LOST))
         self.running = []
         self._inflight.clear()
@@ -309,6 +314,8 @@ class Scheduler:
         events = self.take_events()
         if result.step_id != plan.step_id or self._inflight.pop(plan.step_id, None) is not plan:
             return events
+        if self._lost:
+            self._lost.difference_update(plan.num_scheduled_tokens)
         blocks, requests, policy = self.blocks, self.requests, self.policy
         step_id = plan.step_id
         caching = blocks.enable_prefix_caching
@@ -528,7 +535,7 @@ class Scheduler:
             if threshold and n > threshold:
                 n = threshold
             self._start(request, num_cached, hits)
-            if prefix_wait:
+            if prefix_wait and request.request_id not in self._lost:
                 # The prompt blocks this step computes, which later candidates would find
                 # cached only from the next step on.
                 keys = request.block_hashes
@@ -781,6 +788,7 @@ class Scheduler:
         rid = request.request_id
         self.blocks.free(rid)
         del self.requests[rid]
+        self._lost.discard(rid)
         if was_running:
             self._finished_ids.append(rid)
         self.collector.num_requests_completed += 1

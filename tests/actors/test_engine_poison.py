@@ -16,15 +16,22 @@ from engine_helpers import config, text_executor
 MAX_TOKENS = 6
 
 
-async def run_all(engine, request_ids: list[str], stagger_s: float = 0.0) -> dict[str, object]:
-    """Each request's tokens, or the exception it ended with."""
+def prompt(rid: str, shared: bool) -> str:
+    """Prompts of one length; shared ones begin with the same two blocks."""
+    return f"prompt {rid}" if shared else f"{rid} prompt"
+
+
+async def run_all(engine, request_ids: list[str], stagger_s: float = 0.0,
+                  shared: bool = False) -> dict[str, object]:
+    """Each request's tokens, or the exception it ended with. The first step takes
+    every request that arrived with the first unless `shared` makes them wait for its prefix."""
     outcomes: dict[str, object] = {}
 
     async def one(rid: str, delay_s: float) -> None:
         await trio.sleep(delay_s)
         tokens: list[int] = []
         try:
-            async for delta in engine.generate(f"prompt {rid}", SamplingParams(max_tokens=MAX_TOKENS),
+            async for delta in engine.generate(prompt(rid, shared), SamplingParams(max_tokens=MAX_TOKENS),
                                                request_id=rid):
                 tokens.extend(delta.token_ids)
             outcomes[rid] = tokens
@@ -38,7 +45,7 @@ async def run_all(engine, request_ids: list[str], stagger_s: float = 0.0) -> dic
 
 
 def expected(executor, rid: str) -> list[int]:
-    prompt_len = len(f"prompt {rid}")
+    prompt_len = len(prompt(rid, False))
     return [executor.expected_token(rid, prompt_len + k) for k in range(MAX_TOKENS)]
 
 
@@ -79,6 +86,19 @@ async def test_an_anonymous_crash_is_bisected_to_its_culprit(autojump_clock):
     check_innocents(executor, outcomes, {"r5"})
     lost = {r["request_id"] for r in engine.trace.records if r["event"] == "executor_lost"}
     assert len(lost - {"r5"}) >= 3, "others were in the failed steps, and kept their tokens"
+
+
+async def test_a_culprit_first_in_line_does_not_hold_back_those_sharing_its_prefix(autojump_clock):
+    """r5 comes first and alone; the rest share its prompt's first blocks. Once its step
+    has died, the rest are admitted beside it rather than waiting for its prefix, so the
+    executor is seen to work without r5 and r5 is convicted."""
+    executor = text_executor(faults=FaultPlan(poison={"r5": Poison.CRASH}))
+    cfg = config(executor, max_num_seqs=8, max_restarts=1, restart_backoff_s=0.01)
+    async with open_engine(cfg) as engine:
+        order = ["r5"] + [f"r{i}" for i in range(8) if i != 5]
+        outcomes = await run_all(engine, order, stagger_s=0.001, shared=True)
+        assert not engine.closed and engine.scheduler.num_poisoned == 1
+    check_innocents(executor, outcomes, {"r5"})
 
 
 async def test_a_hang_that_follows_a_request_is_isolated_too(autojump_clock):

@@ -40,6 +40,24 @@ def test_without_waiting_the_prefix_is_computed_twice():
     assert s.stats().num_scheduled_tokens == 18 + 18 + 6 + 3 * 1
 
 
+def test_nobody_waits_for_a_prefix_whose_computation_was_lost_with_the_executor():
+    """a's step dies with the executor. a may be what kills it, so b and c are admitted
+    beside it rather than behind it; the exemption ends with a's next completed step."""
+    s = make_scheduler(block_size=4)
+    same_step_arrivals(s)
+    s.schedule()
+    s.executor_lost()
+    plan, _ = step(s)
+    assert {d.request_id: d.num_computed_tokens for d in plan.new_requests} == {"a": 0, "b": 0, "c": 0}
+    assert not s._lost, "a step of theirs completed: a leads a prefix wait again"
+    s.schedule()
+    s.executor_lost()
+    s.abort_request("a", "gone")
+    assert s._lost == {"b", "c"}, "a completed request leaves no exemption behind"
+    run_until_idle(s)
+    assert not s._lost
+
+
 def test_a_short_shared_prefix_does_not_wait():
     """Below admission_prefix_wait_blocks shared blocks, both are admitted at once."""
     s = make_scheduler(block_size=4, admission_prefix_wait_blocks=2)
