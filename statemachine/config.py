@@ -159,6 +159,15 @@ class SchedulerConfig:
         every finished request ran to its limit, it is the declared limit. A
         request that outlives its prediction is preempted if blocks run out.
 
+    Overlap
+      async_scheduling: a running request whose sampled token is still in flight
+        may be scheduled for that token's position in the next plan, made before the
+        result arrives (the executor feeds its own sampled token back). Plans then
+        overlap the executor's work: while step N runs, step N+1 is planned and
+        handed over. Stop tokens take effect a step late: at most one more token
+        is computed for a finished request and never emitted. A request whose
+        in-flight token reaches its length limit is not scheduled again.
+
     Shell
       schedule_interval_us: the scheduler actor waits at least this long between
         steps (0: step as soon as there is work); the core ignores it.
@@ -198,6 +207,7 @@ class SchedulerConfig:
     length_estimate_window: int = attrs.field(default=512, validator=_at_least(1))
     length_estimate_min_samples: int = attrs.field(default=16, validator=_at_least(1))
     length_estimate_quantile: float = attrs.field(default=0.2, validator=_share)
+    async_scheduling: bool = False
     schedule_interval_us: int = attrs.field(default=0, validator=_at_least(0))
     debug_checks: bool = False
 

@@ -141,8 +141,11 @@ def limits_respected(s: Scheduler) -> list[str]:
             out.append(f"{req.request_id!r} has {req.num_tokens} tokens > max_model_len")
         if len(req.output_token_ids) > req.limits.max_tokens:
             out.append(f"{req.request_id!r} generated past max_tokens")
-        if req.num_computed_tokens > req.num_tokens:
-            out.append(f"{req.request_id!r} computed {req.num_computed_tokens} > {req.num_tokens} tokens")
+        # Tokens sampled by plans in flight are computed on the executor's side first.
+        known = req.num_tokens + len(req.pending_steps)
+        if req.num_computed_tokens > known:
+            out.append(f"{req.request_id!r} computed {req.num_computed_tokens} > {known} tokens "
+                       f"({len(req.pending_steps)} in flight)")
     return out
 
 

@@ -53,7 +53,7 @@ class Request:
         "num_prompt_tokens", "num_computed_tokens", "num_preemptions", "block_hashes",
         "num_skips", "queue_seq", "first_scheduled_s", "num_cached_tokens",
         "stop_token_set", "finish_detail", "arrival_seq",
-        "admitted_step", "length_limit",
+        "admitted_step", "length_limit", "pending_steps",
     )
 
     def __init__(
@@ -96,6 +96,9 @@ class Request:
         self.arrival_seq = 0
         # The step that last admitted it: older plans' results no longer apply.
         self.admitted_step = -1
+        # The plans in flight that sample a token for it, oldest first: the tokens
+        # it has computed reach past its known ones by as many (async scheduling).
+        self.pending_steps: list[int] = []
         # Set by the scheduler on arrival: the token count at which it stops for
         # length (prompt + max_tokens, or max_model_len if that is smaller).
         self.length_limit = self.num_prompt_tokens + self.limits.max_tokens

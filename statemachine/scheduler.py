@@ -68,6 +68,9 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._events: list[RequestEvent] = []
         self._inflight: dict[int, StepPlan] = {}
+        # Answers to plans in flight that came before an older plan's answer and share
+        # a sampling request with it (only an out-of-order executor sends them).
+        self._early: dict[int, StepResult] = {}
         # Requests whose computation was lost with the executor and has not finished
         # a step since: their prefix may never get computed (the loss may follow
         # them), so nobody waits for it.
@@ -195,9 +198,11 @@ class Scheduler:
             self.policy.push(request)
             self._queue_version += 1
             self._lost.add(request.request_id)
+            request.pending_steps.clear()
             events.append(RequestEvent(request.request_id, E.EXECUTOR_LOST))
         self.running = []
         self._inflight.clear()
+        self._early.clear()
         self._finished_ids.clear()
         self.blocks.reset_prefix_cache()
         self._check()
@@ -229,6 +234,7 @@ class Scheduler:
         # 1. Running requests: decode tokens and the next chunks of prefills.
         # Seats can only run out here if more requests run than a step may hold.
         count_seats = len(self.running) > seats
+        overlap = config.async_scheduling
         for request in list(self.running):
             if budget <= 0 or (count_seats and len(scheduled) >= seats):
                 break
@@ -237,7 +243,15 @@ class Scheduler:
             computed = request.num_computed_tokens
             n = len(request.all_token_ids) - computed
             if n <= 0:
-                continue  # its sampled token is still in flight
+                # Its sampled token is still in flight. With async scheduling the next
+                # plan computes that token's position (the executor holds the token),
+                # one plan ahead at most, unless the token ends it by length.
+                pending = request.pending_steps
+                if not overlap or len(pending) != 1 or n + 1 <= 0:
+                    continue
+                if len(request.all_token_ids) + 1 >= request.length_limit:
+                    continue
+                n = 1
             if n > budget:
                 n = budget
             if threshold and n > threshold:
@@ -282,7 +296,10 @@ class Scheduler:
             request = requests[rid]
             if charge is not None:
                 charge(request, n)
-            request.num_computed_tokens += n
+            computed = request.num_computed_tokens = request.num_computed_tokens + n
+            pending = request.pending_steps
+            if computed >= len(request.all_token_ids) + len(pending):
+                pending.append(step_id)  # the chunk reaches its last token: it samples
             total += n
         if config.enable_batch_sorting and scheduled:
             scheduled = self._sorted_batch(scheduled)
@@ -310,10 +327,17 @@ class Scheduler:
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestEvent]:
         """Apply the executor's result for `plan`: append tokens, apply stop
         conditions, finish requests and free their blocks. A result for a plan
-        that is not in flight (stale or duplicated) changes nothing."""
+        that is not in flight (stale or duplicated) changes nothing; one that comes
+        before an older plan's and samples for a request that plan samples for too
+        is applied after it, so every request's tokens stay in order."""
         events = self.take_events()
-        if result.step_id != plan.step_id or self._inflight.pop(plan.step_id, None) is not plan:
+        inflight = self._inflight
+        if result.step_id != plan.step_id or inflight.get(plan.step_id) is not plan:
             return events
+        if next(iter(inflight)) != plan.step_id and self._answered_early(plan):
+            self._early[plan.step_id] = result
+            return events
+        del inflight[plan.step_id]
         if self._lost:
             self._lost.difference_update(plan.num_scheduled_tokens)
         blocks, requests, policy = self.blocks, self.requests, self.policy
@@ -330,16 +354,21 @@ class Scheduler:
             request = requests.get(rid)
             if request is None or request.fsm.state is not RUNNING or request.admitted_step > step_id:
                 continue  # gone, or preempted and admitted again since this plan
+            output, all_ids = request.output_token_ids, request.all_token_ids
+            num_tokens = len(all_ids)
             computed = request.num_computed_tokens
-            if caching and computed // block_size > num_hashed[rid]:
-                blocks.cache_full_blocks(request, computed)
+            if caching:
+                # Tokens a later plan computes from the executor's side are not known yet.
+                known = computed if computed < num_tokens else num_tokens
+                if known // block_size > num_hashed[rid]:
+                    blocks.cache_full_blocks(request, known)
             tokens = sampled.get(rid)
             if not tokens:
                 continue
-            output, all_ids = request.output_token_ids, request.all_token_ids
-            num_tokens = len(all_ids)
-            if computed < num_tokens:
+            pending = request.pending_steps
+            if not pending or pending[0] != step_id:
                 continue  # a partial prefill chunk samples nothing
+            del pending[0]
             if len(tokens) == 1:
                 # The common case, one token per step, without the loop's overhead:
                 # below the length limit and not a stop token, the request goes on.
@@ -384,6 +413,37 @@ class Scheduler:
             self._attach_logprobs(events, first_event, result.logprobs)
         self.collector.num_tokens_generated += num_generated
         self._check()
+        if self._early:
+            events += self._update_early()
+        return events
+
+    def _answered_early(self, plan: StepPlan) -> bool:
+        """Whether `plan` samples a token for a request that an older plan in flight
+        samples for too: its answer waits for the older one's, so tokens stay in order."""
+        requests, step_id = self.requests, plan.step_id
+        for rid in plan.num_scheduled_tokens:
+            request = requests.get(rid)
+            if request is not None:
+                pending = request.pending_steps
+                if pending and pending[0] != step_id and step_id in pending:
+                    return True
+        return False
+
+    def _update_early(self) -> list[RequestEvent]:
+        """Apply the answers that arrived before an older plan's, now in order."""
+        events: list[RequestEvent] = []
+        early, inflight = self._early, self._inflight
+        progress = True
+        while progress:
+            progress = False
+            for step_id in sorted(early):
+                plan = inflight.get(step_id)
+                if plan is None:
+                    del early[step_id]
+                elif next(iter(inflight)) == step_id or not self._answered_early(plan):
+                    events += self.update(plan, early.pop(step_id))
+                    progress = True
+                    break  # that update may have applied others: look again
         return events
 
     def stats(self) -> StatsSummary:
@@ -769,6 +829,7 @@ class Scheduler:
         self.collector.num_preemptions += 1
         self.collector.num_recompute_tokens += victim.num_computed_tokens
         victim.num_computed_tokens = 0
+        victim.pending_steps.clear()
         victim.num_preemptions += 1
         self.policy.push(victim)
         self._queue_version += 1
