@@ -39,6 +39,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="share cached prompt blocks only within a tenant (default), or among "
                             "all tenants (global: faster for common prompts, but a tenant can "
                             "learn from cache hits what others sent)")
+    group.add_argument("--async-scheduling", action="store_true",
+                       help="plan step N+1 and hand it to the executor while step N runs, so the "
+                            "host's work overlaps the model's (a stop token then costs one more "
+                            "computed token, never emitted)")
     group.add_argument("--seed", type=int, default=0, help="executor seed")
     group.add_argument("--max-stop-strings", type=int, default=DEFAULT_MAX_STOP_STRINGS,
                        help="stop strings one request may carry "
@@ -113,6 +117,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         num_blocks=args.num_blocks, block_size=args.block_size, policy=args.policy,
         enable_prefix_caching=not args.no_prefix_caching,
+        async_scheduling=args.async_scheduling,
         max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
         prefix_cache_sharing=args.prefix_cache_sharing,
         executor_options=_tp_options(args))

@@ -153,6 +153,9 @@ class DeterministicRunner:
         self._exit_token = options.get("exit_token")
         self._batch: dict[str, _Sequence] = {}
         self._failed: dict[str, str] = {}
+        # Requests it refused, until a plan names them finished or preempted (a plan
+        # made before the refusal was known may still schedule them).
+        self._dropped: dict[str, str] = {}
 
     def take_failed(self) -> dict[str, str]:
         """The requests the last step refused, with why (and forget them)."""
@@ -165,24 +168,29 @@ class DeterministicRunner:
         self._maybe_fault(plan.step_id)
         if self._echo:
             return StepResult(plan.step_id, {request_id: [0] for request_id in plan.num_scheduled_tokens})
+        dropped = self._dropped
         for request_id in (*plan.finished_ids, *plan.preempted_ids):
             self._batch.pop(request_id, None)
+            dropped.pop(request_id, None)
         for data in plan.new_requests:
             params = sampling.get(data.request_id)
             if params is None:
                 raise ExecutorError(f"step {plan.step_id}: no SamplingParams for new request {data.request_id!r}")
             if self._bad_token is not None and self._bad_token in data.token_ids:
-                self._failed[data.request_id] = f"token {self._bad_token} cannot be embedded"
+                self._failed[data.request_id] = dropped[data.request_id] = (
+                    f"token {self._bad_token} cannot be embedded")
                 continue
             self._batch[data.request_id] = _Sequence(
                 list(data.token_ids), list(data.block_ids), data.num_computed_tokens, params)
         self._maybe_follow_request(plan)
         for request_id, block_ids in plan.new_block_ids.items():
-            self._sequence(request_id).block_ids.extend(block_ids)
+            if request_id not in dropped:
+                self._sequence(request_id).block_ids.extend(block_ids)
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[list[tuple[int, float]]]] = {}
         for request_id, num_tokens in plan.num_scheduled_tokens.items():
-            if request_id in self._failed:
+            if request_id in dropped:
+                self._failed[request_id] = dropped[request_id]
                 continue
             token = self._advance(request_id, self._sequence(request_id), num_tokens)
             if token is None:

@@ -154,6 +154,37 @@ def _check_output(reply: Message, step: ExecuteStep) -> StepOutput:
     return reply
 
 
+class ThreadCall:
+    """A step queued on an `InProcessExecutor`'s model thread.
+
+    Awaiting `result()` and being cancelled abandons the model thread: the
+    executor then counts as interrupted until it is killed and started again.
+    """
+
+    __slots__ = ("_owner", "_future", "_step", "_unsent", "_error")
+
+    def __init__(self, owner: InProcessExecutor, future: concurrent.futures.Future | None = None,
+                 step: ExecuteStep | None = None, unsent: dict[str, str] | None = None,
+                 error: ExecutorError | None = None) -> None:
+        self._owner, self._future, self._step, self._unsent, self._error = owner, future, step, unsent, error
+
+    async def result(self) -> StepOutput:
+        """The step's output once the model thread has run it."""
+        if self._error is not None:
+            await trio.lowlevel.checkpoint()
+            raise self._error
+        owner, step = self._owner, self._step
+        try:
+            output = await wait_for_future(self._future)
+        except Exception as exc:
+            failed = ExecutorFailed(step.plan.step_id, f"{type(exc).__name__}: {exc}")
+            raise _failed_error(failed, f"step {step.plan.step_id}") from exc
+        except BaseException:
+            owner._interrupted = True  # cancelled: the model thread goes on unseen
+            raise
+        return _with_failed(_check_output(owner._wire(output), step), self._unsent)
+
+
 class InProcessExecutor:
     """The model runner in this process, each step run in a worker thread.
 
@@ -212,27 +243,28 @@ class InProcessExecutor:
 
     async def execute(self, step: ExecuteStep) -> StepOutput:
         """Run one step in a worker thread; cancelling abandons the thread and the runner."""
+        return await self.submit(step).result()
+
+    def submit(self, step: ExecuteStep) -> ThreadCall:
+        """Queue a step on the model thread behind those queued before it (it runs
+        while the event loop goes on); await `result()` for its output."""
         runner = self._runner
         if runner is None:
-            raise ExecutorError("executor is not running; call start() first")
+            return ThreadCall(self, error=ExecutorError("executor is not running; call start() first"))
         if self._interrupted:
-            raise ExecutorError("executor was interrupted mid-step; kill() and start() it again")
+            return ThreadCall(self, error=ExecutorError(
+                "executor was interrupted mid-step; kill() and start() it again"))
         unsent: dict[str, str] = {}
         if self._round_trip:
             try:
                 frame, step, unsent = _encode_step(step)
                 step = decode(frame)  # type: ignore[assignment]
             except ProtocolError as exc:
-                raise ExecutorError(f"ExecuteStep does not survive the wire: {exc}") from exc
-        self._interrupted = True
-        try:
-            output = await self._in_model_thread(run_step, runner, step)
-        except Exception as exc:
-            self._interrupted = False
-            failed = ExecutorFailed(step.plan.step_id, f"{type(exc).__name__}: {exc}")
-            raise _failed_error(failed, f"step {step.plan.step_id}") from exc
-        self._interrupted = False
-        return _with_failed(_check_output(self._wire(output), step), unsent)
+                return ThreadCall(self, error=ExecutorError(f"ExecuteStep does not survive the wire: {exc}"))
+        if self._thread is None:
+            self._thread = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="cadence-model")
+        return ThreadCall(self, self._thread.submit(run_step, runner, step), step, unsent)
 
     async def kill(self) -> None:
         """Drop the runner; a step still running in an abandoned thread finishes unseen."""

@@ -50,7 +50,8 @@ import math
 import random
 import re
 from collections import deque
-from typing import Callable
+from functools import partial
+from typing import Awaitable, Callable
 
 import attrs
 import trio
@@ -309,10 +310,20 @@ class SchedulerActor:
         if self._groups:
             await self._run_isolated(plan, step)
             return
+        if self._pipelined():
+            await self._run_pipelined(plan, step)
+            return
         if self.plan_ahead and self._no_token_awaited(plan):
             outcome = await self._execute_and_plan_ahead(step)
         else:
             outcome = await self._execute(step)
+        failure = self._settle(plan, outcome)
+        if failure is not None:
+            await self._recover(*failure, None)
+
+    def _settle(self, plan: StepPlan, outcome: StepOutput | str) -> tuple[str, list[str]] | None:
+        """Apply the executor's answer to `plan`; None, or why the executor must be
+        recovered and which requests the failure may be blamed on."""
         if type(outcome) is StepOutput:
             result = outcome.result
             if outcome.failed and result.step_id == plan.step_id:
@@ -322,14 +333,41 @@ class SchedulerActor:
             if result.step_id == plan.step_id:
                 if self._num_in_a_row or self._refunds or not self._ran_since_isolation:
                     self._call_succeeded()
-                return
+                return None
             # The core ignored an answer for another step; this step's answer is lost.
             # No request can make the executor answer out of turn: nobody is to blame.
             self.num_ignored_results += 1
-            outcome = f"executor answered step {result.step_id} when step {plan.step_id} was sent"
-            await self._recover(outcome, [], None)
-            return
-        await self._recover(outcome, list(plan.num_scheduled_tokens), None)
+            return f"executor answered step {result.step_id} when step {plan.step_id} was sent", []
+        return outcome, list(plan.num_scheduled_tokens)
+
+    def _pipelined(self) -> bool:
+        """Whether steps overlap: the core plans ahead of results (async scheduling),
+        the executor takes a step while it runs another, and steps are not paced."""
+        return (self.plan_ahead and self.core.config.async_scheduling and not self._interval_s
+                and hasattr(self.backend, "submit"))
+
+    async def _run_pipelined(self, plan: StepPlan, step: ExecuteStep) -> None:
+        """Hand step N+1 to the executor while step N runs, until there is nothing to
+        plan ahead or something fails: the host's planning and input preparation for
+        N+1 overlap N's device time, and N+1 computes from N's tokens on the executor's side."""
+        submit = self.backend.submit
+        call = submit(step)
+        while True:
+            await trio.lowlevel.checkpoint()  # arrivals and aborts reach the core first
+            ahead = None
+            if self.closed_reason is None:
+                ahead = self._plan()
+                if ahead is not None:
+                    self.num_planned_ahead += 1
+                    ahead_call = submit(ahead[1])
+            failure = self._settle(plan, await self._outcome(call.result, plan.step_id))
+            if failure is not None:
+                # The step handed over behind it is void with the executor's state.
+                await self._recover(*failure, None)
+                return
+            if ahead is None or self.closed_reason is not None:
+                return
+            (plan, step), call = ahead, ahead_call
 
     async def _run_isolated(self, plan: StepPlan, step: ExecuteStep) -> None:
         """Run a step as one executor call for the unsuspected requests, then one per
@@ -399,12 +437,16 @@ class SchedulerActor:
 
     async def _execute(self, step: ExecuteStep) -> StepOutput | str:
         """The executor's answer, or why there is none."""
+        return await self._outcome(partial(self.backend.execute, step), step.plan.step_id)
+
+    async def _outcome(self, answer: Callable[[], Awaitable[StepOutput]], step_id: int) -> StepOutput | str:
+        """What `answer()` returns within the step timeout, or why there is none."""
         with trio.move_on_after(self.step_timeout_s):
             try:
-                return await self.backend.execute(step)
+                return await answer()
             except (ExecutorError, ProtocolError) as exc:
-                return f"step {step.plan.step_id} failed: {exc}"
-        return f"step {step.plan.step_id} timed out after {self.step_timeout_s} s"
+                return f"step {step_id} failed: {exc}"
+        return f"step {step_id} timed out after {self.step_timeout_s} s"
 
     async def _execute_and_plan_ahead(self, step: ExecuteStep) -> StepOutput | str:
         box: list[StepOutput | str] = []

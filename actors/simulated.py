@@ -76,12 +76,16 @@ def _token(key: int, position: int, vocab_size: int, eos: int | None, eos_thresh
 
 @attrs.frozen
 class LatencyModel:
-    """How long a simulated step takes: a fixed cost, plus a cost per prefill
-    token, plus a cost per decoding sequence (microseconds)."""
+    """How long a simulated step takes (microseconds): on the device, a fixed cost plus
+    a cost per prefill token plus a cost per decoding sequence; before it, `host_us`
+    on the host (input preparation and output handling). The host works on one step
+    at a time and so does the device; a step handed over while the previous one is
+    still on the device has its host part done meanwhile."""
 
     base_us: float = attrs.field(default=2000.0, validator=attrs.validators.ge(0))
     prefill_us_per_token: float = attrs.field(default=20.0, validator=attrs.validators.ge(0))
     decode_us_per_seq: float = attrs.field(default=100.0, validator=attrs.validators.ge(0))
+    host_us: float = attrs.field(default=0.0, validator=attrs.validators.ge(0))
 
     def step_us(self, num_prefill_tokens: int, num_decode_seqs: int) -> float:
         """Duration of one step in microseconds."""
@@ -90,6 +94,29 @@ class LatencyModel:
 
 
 ZERO_LATENCY = LatencyModel(0.0, 0.0, 0.0)
+
+
+class SimulatedCall:
+    """A step handed to the simulated executor: its answer, or its failure, at the
+    virtual time the device finishes it."""
+
+    __slots__ = ("_answer", "_error", "_done_s", "_hang")
+
+    def __init__(self, answer: StepOutput | None = None, error: ExecutorError | None = None,
+                 done_s: float = 0.0, hang: bool = False) -> None:
+        self._answer, self._error, self._done_s, self._hang = answer, error, done_s, hang
+
+    async def result(self) -> StepOutput:
+        """Wait until the step is done and return its output (or raise its failure)."""
+        if self._hang:
+            await trio.sleep_forever()
+        if self._done_s > trio.current_time():
+            await trio.sleep_until(self._done_s)
+        else:
+            await trio.lowlevel.checkpoint()
+        if self._error is not None:
+            raise self._error
+        return self._answer
 
 
 class Fault(enum.Enum):
@@ -221,6 +248,11 @@ class SimulatedExecutor:
         self._history: deque[StepOutput] = deque(maxlen=_HISTORY)
         self._alive = False
         self._block_size = 1
+        # When the host and the device are next free (virtual seconds).
+        self._host_free_s = self._device_free_s = 0.0
+        # Requests it failed and dropped, until a plan names them finished: a plan made
+        # before it answered may still schedule them, and is answered the same way.
+        self._dropped: dict[str, str] = {}
         self.num_starts = 0
         self.num_calls = 0
         self.injected: list[tuple[int, Fault]] = []
@@ -246,7 +278,9 @@ class SimulatedExecutor:
             raise ExecutorError(f"simulated executor failed to start (attempt {attempt})")
         self._batch.clear()
         self._history.clear()
+        self._dropped.clear()
         self._block_size = init.block_size
+        self._host_free_s = self._device_free_s = trio.current_time()
         self._alive = True
         return Ready(
             num_blocks=init.num_blocks or DEFAULT_NUM_BLOCKS,
@@ -259,8 +293,14 @@ class SimulatedExecutor:
     async def execute(self, step: ExecuteStep) -> StepOutput:
         """Apply the plan to the persistent batch, wait the modelled latency,
         and return one token for each request that reached its last known token."""
+        return await self.submit(step).result()
+
+    def submit(self, step: ExecuteStep) -> SimulatedCall:
+        """Hand a step over behind those handed over before it; it is applied to the
+        batch at once (steps are applied in the order given) and answered when the
+        modelled host and device time has passed."""
         if not self._alive:
-            raise ExecutorError("simulated executor is not running")
+            return SimulatedCall(error=ExecutorError("simulated executor is not running"))
         call = self.num_calls
         self.num_calls += 1
         fault = self.faults.fault_for(call) if self.faults is not None else None
@@ -270,18 +310,20 @@ class SimulatedExecutor:
         if fault is Fault.CRASH or poison is Poison.CRASH:
             self._alive = False
             self._batch.clear()
-            raise ExecutorError(f"simulated crash in step {step.plan.step_id}")
+            return SimulatedCall(error=ExecutorError(f"simulated crash in step {step.plan.step_id}"))
         if poison is Poison.HANG:
-            await trio.sleep_forever()
-        output, step_us = self._run(step.plan, step.sampling)
+            return SimulatedCall(hang=True)
+        try:
+            output, step_us = self._run(step.plan, step.sampling)
+        except ExecutorError as exc:
+            return SimulatedCall(error=exc)
         if fault is Fault.HANG:
-            await trio.sleep_forever()
+            return SimulatedCall(hang=True)
         if fault is Fault.SLOW:
             step_us *= self.faults.slow_factor
-        if step_us > 0:
-            await trio.sleep(step_us / 1e6)
-        else:
-            await trio.lowlevel.checkpoint()
+        host_end = max(trio.current_time(), self._host_free_s) + self.latency.host_us / 1e6
+        self._host_free_s = host_end
+        self._device_free_s = done = max(host_end, self._device_free_s) + step_us / 1e6
         history = self._history
         answer = output
         if fault is Fault.DUPLICATE and history:
@@ -289,7 +331,7 @@ class SimulatedExecutor:
         elif fault is Fault.STALE and history:
             answer = history[0]
         history.append(output)
-        return answer
+        return SimulatedCall(answer, done_s=done)
 
     async def kill(self) -> None:
         """Drop everything at once."""
@@ -326,11 +368,13 @@ class SimulatedExecutor:
         return None
 
     def _run(self, plan: StepPlan, sampling: Mapping | None = None) -> tuple[StepOutput, float]:
-        batch = self._batch
+        batch, dropped = self._batch, self._dropped
         for rid in plan.finished_ids:
             batch.pop(rid, None)
+            dropped.pop(rid, None)
         for rid in plan.preempted_ids:
             batch.pop(rid, None)
+            dropped.pop(rid, None)
         seed = self.seed
         for data in plan.new_requests:
             params = sampling.get(data.request_id) if sampling else None
@@ -354,7 +398,10 @@ class SimulatedExecutor:
             seq = batch.get(rid)
             if poisoned and self._poison_of(rid, seq.token_ids if seq is not None else ()) is Poison.REPORTED:
                 batch.pop(rid, None)
-                failed[rid] = "simulated sampling error"
+                failed[rid] = dropped[rid] = "simulated sampling error"
+                continue
+            if seq is None and rid in dropped:
+                failed[rid] = dropped[rid]
                 continue
             if seq is None:
                 self._protocol_violation(f"plan schedules request {rid!r} not in the batch")

@@ -289,6 +289,9 @@ class ModelRunner:
         self.sampler = Sampler(model_config.eos_token_ids, seed=seed, device=self.device)
         self._requests: dict[str, CachedRequestState] = {}
         self._failed: dict[str, str] = {}
+        # Requests it failed and dropped, until a plan names them finished or preempted:
+        # a plan made before the failure was known may still schedule them.
+        self._dropped: dict[str, str] = {}
         self._max_blocks_per_seq = -(-self.max_model_len // block_size)
         self._block_table = torch.zeros(max_num_seqs, self._max_blocks_per_seq, dtype=torch.int32)
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
@@ -378,6 +381,7 @@ class ModelRunner:
         for state in self._requests.values():
             self._free_rows.append(state.row)
         self._requests.clear()
+        self._dropped.clear()
 
     def take_failed(self) -> dict[str, str]:
         """The requests the last step could not serve, with why; each was dropped from the batch."""
@@ -540,7 +544,7 @@ class ModelRunner:
         if not kept:
             raise error
         for request_id, why in failed.items():
-            self._failed[request_id] = why
+            self._failed[request_id] = self._dropped[request_id] = why
             self._drop(request_id)
         return tokens, logprobs, kept
 
@@ -562,8 +566,10 @@ class ModelRunner:
     # ---- the persistent batch ----------------------------------------------------
 
     def _apply_deltas(self, plan: StepPlan, sampling_params: Mapping[str, SamplingParams]) -> None:
+        dropped = self._dropped
         for request_id in chain(plan.finished_ids, plan.preempted_ids):
             self._drop(request_id)
+            dropped.pop(request_id, None)
         for new in plan.new_requests:
             params = sampling_params.get(new.request_id)
             if params is None:
@@ -579,7 +585,7 @@ class ModelRunner:
             if bad is None:
                 bad = self._foreign_token(params.stop_token_ids)
             if bad is not None:
-                self._failed[new.request_id] = (
+                self._failed[new.request_id] = dropped[new.request_id] = (
                     f"token id {bad} is outside the model's vocabulary [0, {self.vocab_size})")
                 continue
             state = self._new_state(new.request_id, list(new.token_ids), new.num_prompt_tokens,
@@ -587,6 +593,8 @@ class ModelRunner:
             self._requests[new.request_id] = state
             self._append_blocks(state, new.block_ids)
         for request_id, block_ids in plan.new_block_ids.items():
+            if request_id in dropped and request_id not in self._requests:
+                continue
             state = self._state(plan, request_id)
             self._check_block_ids(plan, request_id, block_ids)
             self._append_blocks(state, block_ids)
@@ -649,8 +657,9 @@ class ModelRunner:
         scheduled = []
         for request_id, n in plan.num_scheduled_tokens.items():
             state = requests.get(request_id)
-            if state is None and request_id in self._failed:
-                continue  # refused at input preparation this step
+            if state is None and request_id in self._dropped:
+                self._failed[request_id] = self._dropped[request_id]
+                continue  # refused at input preparation, this step or an earlier one
             if state is None:
                 raise ExecutorError(f"step {plan.step_id}: request {request_id!r} is not in the executor's batch")
             end = state.num_computed_tokens + n

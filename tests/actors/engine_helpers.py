@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from cadence.actors import CacheConfig, EngineConfig, SchedulerConfig
+import trio
+
+from cadence.actors import CacheConfig, EngineConfig, ExecutorError, SamplingParams, SchedulerConfig
 from cadence.actors.detokenizer import ByteTokenizer
 from cadence.actors.simulated import FaultPlan, LatencyModel, SimulatedExecutor
 
@@ -36,10 +38,36 @@ def config(executor=None, *, tokenizer=None, max_num_seqs: int = 4, num_blocks: 
     if tokenizer is None and isinstance(executor, SimulatedExecutor) and executor.vocab_size == ByteTokenizer.vocab_size:
         tokenizer = ByteTokenizer()
     sched_keys = {"policy", "max_waiting", "enable_chunked_prefill", "schedule_interval_us",
-                  "preempt_for_priority", "long_prefill_token_threshold", "max_batch_size"}
+                  "preempt_for_priority", "long_prefill_token_threshold", "max_batch_size",
+                  "async_scheduling", "admission_headroom_steps"}
     sched = {k: kwargs.pop(k) for k in list(kwargs) if k in sched_keys}
     return EngineConfig(
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   max_model_len=max_model_len, debug_checks=debug_checks, **sched),
         cache=CacheConfig(num_blocks=num_blocks, block_size=block_size),
         executor=executor, tokenizer=tokenizer, record_trace=True, **kwargs)
+
+
+async def gather_outcomes(engine, prompts: dict, params=None, *, delays=None, on_token=None) -> dict[str, object]:
+    """Run every request of `prompts` (id -> prompt) at once: each one's tokens, or the
+    ExecutorError it ended with. params: id -> SamplingParams (default: 6 greedy
+    tokens); delays: id -> seconds before it is sent; on_token(id) on each delta."""
+    outcomes: dict[str, object] = {}
+
+    async def one(rid: str) -> None:
+        await trio.sleep((delays or {}).get(rid, 0.0))
+        p = (params or {}).get(rid, SamplingParams(max_tokens=6, temperature=0.0))
+        tokens: list[int] = []
+        try:
+            async for delta in engine.generate(prompts[rid], p, request_id=rid):
+                tokens.extend(delta.token_ids)
+                if on_token is not None and delta.token_ids:
+                    on_token(rid)
+            outcomes[rid] = tokens
+        except ExecutorError as exc:
+            outcomes[rid] = exc
+
+    async with trio.open_nursery() as nursery:
+        for rid in prompts:
+            nursery.start_soon(one, rid)
+    return outcomes

@@ -7,11 +7,9 @@ alone; the others keep every token; such failures do not use up max_restarts.
 
 from __future__ import annotations
 
-import trio
-
 from cadence.actors import ExecutorError, PoisonRequestError, SamplingParams, open_engine
 from cadence.actors.simulated import Fault, FaultPlan, Poison
-from engine_helpers import config, text_executor
+from engine_helpers import config, gather_outcomes, text_executor
 
 MAX_TOKENS = 6
 
@@ -25,23 +23,10 @@ async def run_all(engine, request_ids: list[str], stagger_s: float = 0.0,
                   shared: bool = False) -> dict[str, object]:
     """Each request's tokens, or the exception it ended with. The first step takes
     every request that arrived with the first unless `shared` makes them wait for its prefix."""
-    outcomes: dict[str, object] = {}
-
-    async def one(rid: str, delay_s: float) -> None:
-        await trio.sleep(delay_s)
-        tokens: list[int] = []
-        try:
-            async for delta in engine.generate(prompt(rid, shared), SamplingParams(max_tokens=MAX_TOKENS),
-                                               request_id=rid):
-                tokens.extend(delta.token_ids)
-            outcomes[rid] = tokens
-        except ExecutorError as exc:
-            outcomes[rid] = exc
-
-    async with trio.open_nursery() as nursery:
-        for i, rid in enumerate(request_ids):
-            nursery.start_soon(one, rid, i * stagger_s)
-    return outcomes
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    return await gather_outcomes(engine, {rid: prompt(rid, shared) for rid in request_ids},
+                                 dict.fromkeys(request_ids, params),
+                                 delays={rid: i * stagger_s for i, rid in enumerate(request_ids)})
 
 
 def expected(executor, rid: str) -> list[int]:

@@ -16,10 +16,11 @@ import pytest
 import trio
 
 from cadence.actors import (
-    CacheConfig, EngineConfig, ExecutorError, PoisonRequestError, SamplingParams, SchedulerConfig,
+    CacheConfig, EngineConfig, PoisonRequestError, SamplingParams, SchedulerConfig,
     open_engine,
 )
 from cadence.actors.executor_worker import deterministic_token
+from engine_helpers import gather_outcomes
 
 # A guard against a hang, far above what each test needs; never a measure of speed.
 GUARD_S = 60.0
@@ -48,24 +49,8 @@ def expected(rid: str, prompt_ids: list[int]) -> list[int]:
 
 
 async def run_all(engine, prompts: dict[str, list[int]], params=None, on_token=None) -> dict[str, object]:
-    outcomes: dict[str, object] = {}
-
-    async def one(rid: str) -> None:
-        tokens: list[int] = []
-        p = (params or {}).get(rid, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
-        try:
-            async for delta in engine.generate(prompts[rid], p, request_id=rid):
-                tokens.extend(delta.token_ids)
-                if on_token is not None and delta.token_ids:
-                    on_token(rid)
-            outcomes[rid] = tokens
-        except ExecutorError as exc:
-            outcomes[rid] = exc
-
-    async with trio.open_nursery() as nursery:
-        for rid in prompts:
-            nursery.start_soon(one, rid)
-    return outcomes
+    params = {rid: SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0) for rid in prompts} | (params or {})
+    return await gather_outcomes(engine, prompts, params, on_token=on_token)
 
 
 async def test_a_stopped_child_is_caught_by_its_heartbeat_long_before_the_step_timeout():

@@ -231,6 +231,20 @@ def test_a_prompt_token_outside_the_vocabulary_is_refused_before_the_forward_pas
     assert list(result.sampled_token_ids) == ["ok"]
 
 
+def test_a_failed_request_in_a_plan_made_before_its_failure_is_answered_the_same_way(runner):
+    """Async scheduling hands the runner step N+1 before N's answer: N+1 may schedule
+    (and give blocks to) a request N failed. It is reported again, not a protocol error,
+    until a plan names it finished."""
+    poison = past_the_door(top_k=2**63)
+    first_step(runner, {"good": [1, 2, 3], "bad": [4, 5, 6]}, {"good": GREEDY, "bad": poison})
+    assert list(runner.take_failed()) == ["bad"]
+    result = runner.execute(plan(1, scheduled={"good": 1, "bad": 1}, new_blocks={"bad": [9]}), {})
+    assert list(runner.take_failed()) == ["bad"] and list(result.sampled_token_ids) == ["good"]
+    runner.execute(plan(2, scheduled={"good": 1}, new_blocks={"good": [8]}, finished=["bad"]), {})
+    with pytest.raises(ExecutorError, match="not in the executor's batch"):
+        runner.execute(plan(3, scheduled={"good": 1, "bad": 1}), {})
+
+
 def test_a_sampling_fault_of_every_row_fails_the_step(runner):
     """When no row samples alone, the fault is not any one request's: the step raises."""
     bad = past_the_door(top_k=2**63)
