@@ -139,25 +139,28 @@ def main() -> None:
     parser.add_argument("--device-us", type=float, default=2000.0, help="device time per step (fixed model)")
     parser.add_argument("--host-ratios", default="1", help="host:device cost ratios for the fixed model")
     parser.add_argument("--cpu", action="store_true", help="also time the demo model on this CPU")
+    parser.add_argument("--no-sim", action="store_true", help="skip the simulated part")
     parser.add_argument("--cpu-requests", type=int, default=16)
     parser.add_argument("--cpu-max-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3, help="CPU rounds (serial and overlapped alternate)")
     args = parser.parse_args()
 
     workload = nano().head(args.requests)
-    for ratio in (float(r) for r in args.host_ratios.split(",")):
+    for ratio in [] if args.no_sim else [float(r) for r in args.host_ratios.split(",")]:
         latency = LatencyModel(base_us=args.device_us, prefill_us_per_token=0.0, decode_us_per_seq=0.0,
                                host_us=ratio * args.device_us)
         print(json.dumps(pair(workload, f"fixed host:device={ratio:g}:1", latency)), flush=True)
-    default = LatencyModel()
-    host = mean_device_us(workload, default)
-    latency = LatencyModel(default.base_us, default.prefill_us_per_token, default.decode_us_per_seq, host_us=host)
-    print(json.dumps(pair(workload, "model host=mean device", latency)), flush=True)
+    if not args.no_sim:
+        default = LatencyModel()
+        host = mean_device_us(workload, default)
+        latency = LatencyModel(default.base_us, default.prefill_us_per_token, default.decode_us_per_seq,
+                               host_us=host)
+        print(json.dumps(pair(workload, "model host=mean device", latency)), flush=True)
 
     if args.cpu:
         from cadence.actors.workloads import scaled
 
-        draw = scaled(args.cpu_requests, 64, 64)
+        draw = scaled(args.cpu_requests, 64, 64, max_token_id=255)  # the demo model's byte vocabulary
         prompts = [list(p) for p in draw.prompts]
         ratios = []
         for rep in range(args.reps):
