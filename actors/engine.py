@@ -16,6 +16,7 @@ import importlib.util
 import logging
 import os
 import random
+import secrets
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Mapping, Union
 
@@ -321,6 +322,7 @@ def result_of(deltas: Sequence[RequestOutput], prompt_token_ids: list[int],
         num_cached_tokens=last.num_cached_tokens,
         logprobs=join_logprobs((len(out.token_ids), out.logprobs) for out in deltas),
         prompt=prompt,
+        prompt_token_logprobs=deltas[0].prompt_logprobs,
     )
 
 
@@ -345,6 +347,10 @@ class Engine:
             has_tokenizer=tokenizer is not None, max_bytes_per_token=bytes_per_token,
             max_stop_strings=config.max_stop_strings, max_stop_chars=config.max_stop_chars)
         self._num_ids = 0
+        # Requests asking for prompt logprobs get cache salts of their own (see
+        # `_block_salt`); the key makes them unguessable, the count unique.
+        self._private_salt_key = secrets.token_hex(16)
+        self._num_private_salts = 0
         self._tokenizer_threads = trio.CapacityLimiter(_TOKENIZER_THREADS)
 
     @property
@@ -446,13 +452,25 @@ class Engine:
         request = Request(
             request_id, token_ids, params.limits(self.eos_token_ids), priority=priority,
             tenant=tenant, deadline_s=None if deadline_s is None else now + deadline_s,
-            arrival_s=now, cache_salt=self.config.cache.block_salt(tenant, cache_salt))
+            arrival_s=now, cache_salt=self._block_salt(tenant, cache_salt, params))
         assembler = None
         if self.tokenizer is not None:
             assembler = TextAssembler(self.tokenizer, token_ids,
                                       stops if stops is not None else params.stop,
                                       params.include_stop_str_in_output)
         return RequestActor(request, params, self.scheduler.abort_nowait, assembler, timeout_s)
+
+    def _block_salt(self, tenant: str, cache_salt: str | None, params: SamplingParams) -> str | None:
+        """The salt of a request's prefix-cache keys. A request that asks for prompt
+        logprobs needs the logits of every prompt position, which a cached block does
+        not keep: it gets a salt no other request has, so it finds no cached prefix
+        (as in vLLM, such requests skip the prefix cache) and still finds its own
+        blocks again when it resumes after a preemption."""
+        salt = self.config.cache.block_salt(tenant, cache_salt)
+        if params.prompt_logprobs is None:
+            return salt
+        self._num_private_salts += 1
+        return f"{salt or ''}\x00prompt-logprobs:{self._private_salt_key}:{self._num_private_salts}"
 
     def _encode(self, prompt: str) -> list[int]:
         """A validated text prompt's token ids (safe to run in a worker thread)."""

@@ -25,7 +25,7 @@ import threading
 import time
 import traceback
 import zlib
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 import attrs
 
@@ -39,6 +39,7 @@ from .messages import (
     ExecutorFailed,
     Heartbeat,
     InitExecutor,
+    PromptLogprobs,
     Ready,
     Shutdown,
     StepOutput,
@@ -72,6 +73,9 @@ EXIT_RUNNER_FAILED = 1
 EXIT_PROTOCOL_ERROR = 2
 # What DeterministicRunner exits with when told to simulate a crash.
 EXIT_SIMULATED_CRASH = 3
+# A simulated prompt token's logprob cycles through -k / PROMPT_LOGPROB_PERIOD for
+# k in [0, PROMPT_LOGPROB_PERIOD), by position, so a misplaced entry shows.
+PROMPT_LOGPROB_PERIOD = 8
 
 
 class ModelRunnerLike(Protocol):
@@ -79,7 +83,9 @@ class ModelRunnerLike(Protocol):
 
     A runner may also have `take_failed() -> dict[str, str]`: the requests its
     last `execute` could not serve (each dropped from its batch, with a one-line
-    reason), so one bad request costs itself, not the step.
+    reason), so one bad request costs itself, not the step; and
+    `take_prompt_logprobs()`: per request that asked for prompt logprobs, the
+    (first position, entries) its last `execute` scored.
     """
 
     num_blocks: int
@@ -94,10 +100,14 @@ RunnerFactory = Callable[[InitExecutor], ModelRunnerLike]
 
 
 def run_step(runner: ModelRunnerLike, step: ExecuteStep) -> StepOutput:
-    """Run one step on `runner`; the requests it could not serve come back in `failed`."""
+    """Run one step on `runner`; the requests it could not serve come back in `failed`,
+    the prompt log-probabilities it computed in `prompt_logprobs`."""
     result = runner.execute(step.plan, step.sampling)
     take_failed = getattr(runner, "take_failed", None)
-    return StepOutput(result, take_failed() if take_failed is not None else {})
+    take_scored = getattr(runner, "take_prompt_logprobs", None)
+    scored = take_scored() if take_scored is not None else {}
+    return StepOutput(result, take_failed() if take_failed is not None else {},
+                      {rid: PromptLogprobs(first, entries) for rid, (first, entries) in scored.items()})
 
 
 def deterministic_token(request_id: str, position: int, vocab_size: int = DEFAULT_VOCAB_SIZE) -> int:
@@ -112,6 +122,7 @@ class _Sequence:
     num_computed_tokens: int
     sampling: SamplingParams
     num_output_tokens: int = 0
+    num_prompt_tokens: int = 0
 
 
 class DeterministicRunner:
@@ -156,11 +167,17 @@ class DeterministicRunner:
         # Requests it refused, until a plan names them finished or preempted (a plan
         # made before the refusal was known may still schedule them).
         self._dropped: dict[str, str] = {}
+        self._prompt_logprobs: dict[str, tuple[int, list[list[tuple[int, float]]]]] = {}
 
     def take_failed(self) -> dict[str, str]:
         """The requests the last step refused, with why (and forget them)."""
         failed, self._failed = self._failed, {}
         return failed
+
+    def take_prompt_logprobs(self) -> dict[str, tuple[int, list[list[tuple[int, float]]]]]:
+        """The simulated prompt log-probabilities of the last step (and forget them)."""
+        scored, self._prompt_logprobs = self._prompt_logprobs, {}
+        return scored
 
     def execute(self, plan: StepPlan, sampling: dict[str, SamplingParams]) -> StepResult:
         """Apply the plan's deltas to the batch and sample one token per finished prefill or decode."""
@@ -181,7 +198,8 @@ class DeterministicRunner:
                     f"token {self._bad_token} cannot be embedded")
                 continue
             self._batch[data.request_id] = _Sequence(
-                list(data.token_ids), list(data.block_ids), data.num_computed_tokens, params)
+                list(data.token_ids), list(data.block_ids), data.num_computed_tokens, params,
+                num_prompt_tokens=data.num_prompt_tokens)
         self._maybe_follow_request(plan)
         for request_id, block_ids in plan.new_block_ids.items():
             if request_id not in dropped:
@@ -192,7 +210,13 @@ class DeterministicRunner:
             if request_id in dropped:
                 self._failed[request_id] = dropped[request_id]
                 continue
-            token = self._advance(request_id, self._sequence(request_id), num_tokens)
+            sequence = self._sequence(request_id)
+            scored = fabricated_prompt_logprobs(
+                sequence.token_ids, sequence.num_prompt_tokens, sequence.num_computed_tokens,
+                num_tokens, sequence.sampling.prompt_logprobs, self.vocab_size)
+            if scored is not None:
+                self._prompt_logprobs[request_id] = scored
+            token = self._advance(request_id, sequence, num_tokens)
             if token is None:
                 continue
             sampled[request_id] = [token]
@@ -259,6 +283,25 @@ def fabricated_logprobs(token: int, num_alternatives: int, vocab_size: int) -> l
     token at 0.0, then the next ids at -1, -2, ..."""
     alternatives = [((token + i) % vocab_size, -float(i)) for i in range(1, num_alternatives + 1)]
     return [(token, 0.0), *alternatives]
+
+
+def fabricated_prompt_logprobs(token_ids: Sequence[int], num_prompt_tokens: int, start: int,
+                               num_tokens: int, num_alternatives: int | None, vocab_size: int
+                               ) -> tuple[int, list[list[tuple[int, float]]]] | None:
+    """The prompt log-probabilities a simulated model reports when it computes
+    positions [start, start + num_tokens): (first position scored, entries), or None
+    when none of them scores a prompt token or none were asked for. The prompt
+    token at position p gets -(p % PROMPT_LOGPROB_PERIOD) / PROMPT_LOGPROB_PERIOD,
+    its alternatives follow as in `fabricated_logprobs`."""
+    end = min(start + num_tokens, num_prompt_tokens - 1)
+    if num_alternatives is None or start >= end:
+        return None
+    entries = []
+    for position in range(start + 1, end + 1):
+        token = token_ids[position]
+        logprob = -(position % PROMPT_LOGPROB_PERIOD) / PROMPT_LOGPROB_PERIOD
+        entries.append([(token, logprob), *fabricated_logprobs(token, num_alternatives, vocab_size)[1:]])
+    return start + 1, entries
 
 
 def build_runner(init: InitExecutor) -> ModelRunnerLike:

@@ -42,6 +42,7 @@ __all__ = [
     "Shutdown",
     "Ready",
     "StepOutput",
+    "PromptLogprobs",
     "ExecutorFailed",
     "Heartbeat",
     "Message",
@@ -189,6 +190,7 @@ def _sampling_to_wire(params: SamplingParams) -> dict[str, Any]:
         "frequency_penalty": params.frequency_penalty,
         "seed": params.seed,
         "logprobs": params.logprobs,
+        "prompt_logprobs": params.prompt_logprobs,
         "ignore_eos": params.ignore_eos,
         "stop": params.stop,
         "stop_token_ids": params.stop_token_ids,
@@ -204,6 +206,7 @@ def _sampling_from_wire(value: object, path: str) -> SamplingParams:
         "top_k": _int(m["top_k"], f"{path}.top_k", None),
         "seed": _optional_int(m["seed"], f"{path}.seed", None),
         "logprobs": _optional_int(m["logprobs"], f"{path}.logprobs", None),
+        "prompt_logprobs": _optional_int(m["prompt_logprobs"], f"{path}.prompt_logprobs", None),
         "ignore_eos": _bool(m["ignore_eos"], f"{path}.ignore_eos"),
         "stop": _strs(m["stop"], f"{path}.stop"),
         "stop_token_ids": _ids(m["stop_token_ids"], f"{path}.stop_token_ids"),
@@ -388,6 +391,32 @@ class Ready:
 
 
 @attrs.frozen
+class PromptLogprobs:
+    """The log-probabilities of a run of one request's prompt tokens, computed in one step.
+
+    first_position: the prompt position (>= 1) of the token `entries[0]` scores;
+      entries[i] scores the token at first_position + i, from the logits of the
+      position before it: [token id, logprob] pairs, that prompt token first,
+      then the top alternatives.
+    """
+
+    first_position: int
+    entries: list[list[tuple[int, float]]]
+
+    def to_wire(self) -> list:
+        """The msgpack form: [first_position, entries]."""
+        return [self.first_position, self.entries]
+
+    @classmethod
+    def from_wire(cls, value: object, path: str) -> PromptLogprobs:
+        """Validate [first_position, entries]; raises ProtocolError."""
+        pair = _list(value, path)
+        if len(pair) != 2:
+            raise _wrong(path, "[first_position, entries] array", value)
+        return cls(_int(pair[0], f"{path}[0]", 1), check_token_logprobs(pair[1], f"{path}[1]"))
+
+
+@attrs.frozen
 class StepOutput:
     """Executor -> scheduler: the sampled tokens of one step.
 
@@ -395,26 +424,43 @@ class StepOutput:
       one-line reason (an input it cannot encode, a sampling error in its row).
       They get no token; every other request's result stands, and the
       executor has already dropped them from its persistent batch.
+    prompt_logprobs: for requests that asked for `prompt_logprobs`, those of
+      the prompt tokens this step scored. Left out of the payload when empty, so
+      a step where nobody asks costs nothing more on the wire.
     """
 
     result: StepResult
     failed: dict[str, str] = attrs.field(factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobs] = attrs.field(factory=dict)
 
     TYPE: ClassVar[str] = "StepOutput"
 
     def to_wire(self) -> dict[str, Any]:
         """The msgpack payload map."""
-        return {"result": _result_to_wire(self.result), "failed": self.failed}
+        payload = {"result": _result_to_wire(self.result), "failed": self.failed}
+        if self.prompt_logprobs:
+            payload["prompt_logprobs"] = {rid: p.to_wire() for rid, p in self.prompt_logprobs.items()}
+        return payload
 
     @classmethod
     def from_wire(cls, payload: object, path: str = "StepOutput") -> StepOutput:
         """Validate a payload map and build the message; raises ProtocolError."""
-        m = _fields(payload, path, _OUTPUT_FIELDS)
+        mapping = _dict(payload, path)
+        wire_prompt_logprobs = mapping.get("prompt_logprobs")
+        m = _fields(payload, path, _OUTPUT_FIELDS if wire_prompt_logprobs is not None
+                    else _OUTPUT_FIELDS - {"prompt_logprobs"})
         failed = _dict(m["failed"], f"{path}.failed")
         _str_keys(failed, f"{path}.failed")
         for rid, reason in failed.items():
             _str(reason, f"{path}.failed[{rid!r}]")
-        return cls(result=_result_from_wire(m["result"], f"{path}.result"), failed=failed)
+        prompt_logprobs = {}
+        if wire_prompt_logprobs is not None:
+            where = f"{path}.prompt_logprobs"
+            _str_keys(_dict(wire_prompt_logprobs, where), where)
+            prompt_logprobs = {rid: PromptLogprobs.from_wire(value, f"{where}[{rid!r}]")
+                               for rid, value in wire_prompt_logprobs.items()}
+        return cls(result=_result_from_wire(m["result"], f"{path}.result"), failed=failed,
+                   prompt_logprobs=prompt_logprobs)
 
 
 @attrs.frozen

@@ -63,6 +63,9 @@ class RequestOutput(NamedTuple):
     logprobs: when the request asked for `logprobs`, one list per token of
       token_ids: (token id, logprob) pairs, the sampled token first, then the
       top alternatives; None otherwise.
+    prompt_logprobs: when the request asked for `prompt_logprobs`, on its first
+      delta only: one entry per prompt token, None for the first (nothing
+      precedes it), else (token id, logprob) pairs, that prompt token first.
     """
 
     # A named tuple rather than an attrs class: one is built per delta on the
@@ -78,6 +81,7 @@ class RequestOutput(NamedTuple):
     now_s: float
     num_cached_tokens: int
     logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -152,7 +156,9 @@ class RequestResult:
     """A finished request as a whole: every token and all of its text.
 
     It also answers to vLLM's `RequestOutput` names: `prompt`,
-    `prompt_token_ids`, `outputs` (one `CompletionOutput`), `finished`, `metrics`.
+    `prompt_token_ids`, `prompt_logprobs`, `outputs` (one `CompletionOutput`),
+    `finished`, `metrics`. `prompt_token_logprobs` holds the prompt's
+    log-probabilities as `RequestOutput.prompt_logprobs` does.
     """
 
     request_id: str
@@ -167,11 +173,21 @@ class RequestResult:
     num_cached_tokens: int
     logprobs: list[list[tuple[int, float]]] | None = None
     prompt: str | None = None
+    prompt_token_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     @property
     def finished(self) -> bool:
         """Always true: a result is built once its request has ended."""
         return True
+
+    @property
+    def prompt_logprobs(self) -> list[dict[int, Logprob] | None] | None:
+        """vLLM's shape of the prompt's log-probabilities: per prompt token, None for
+        the first, else {token id: Logprob} for that token and the top alternatives
+        (None unless the request asked for `prompt_logprobs`)."""
+        if self.prompt_token_logprobs is None:
+            return None
+        return [_candidates(entry) for entry in self.prompt_token_logprobs]
 
     @property
     def outputs(self) -> list[CompletionOutput]:
@@ -202,7 +218,7 @@ class RequestActor:
         "request", "request_id", "params", "fsm", "deadline_s", "_abort", "_assembler",
         "_events", "_waiter", "_consumer", "_accepted", "_error", "_out_tokens", "_out_text",
         "_num_tokens", "_finish_reason", "_detail", "_final_taken", "_abort_sent",
-        "_fault", "first_token_s", "_out_logprobs",
+        "_fault", "first_token_s", "_out_logprobs", "_prompt_logprobs", "_prompt_logprobs_sent",
     )
 
     def __init__(self, request: Request, params: SamplingParams,
@@ -231,6 +247,9 @@ class RequestActor:
         self._abort_sent = False
         self._fault: IllegalTransition | None = None
         self.first_token_s: float | None = None
+        # One entry per prompt token once any arrived; handed out with the first delta.
+        self._prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+        self._prompt_logprobs_sent = False
 
     # ---- scheduler side --------------------------------------------------------
     def deliver(self, event: RequestEvent) -> None:
@@ -243,6 +262,18 @@ class RequestActor:
             reschedule(consumer)
         else:
             self._wake_actor()
+
+    def add_prompt_logprobs(self, first_position: int, entries: list[list[tuple[int, float]]]) -> None:
+        """Record the log-probabilities of the prompt tokens from `first_position` on
+        (called by the scheduler actor; a prompt computed again after a preemption
+        repeats what the first delta already carried, and is ignored)."""
+        if self._prompt_logprobs_sent:
+            return
+        scored = self._prompt_logprobs
+        if scored is None:
+            scored = self._prompt_logprobs = [None] * self.request.num_prompt_tokens
+        end = min(first_position + len(entries), len(scored))
+        scored[first_position:end] = entries[: end - first_position]
 
     def accept(self) -> None:
         """The core accepted the request."""
@@ -475,10 +506,14 @@ class RequestActor:
         reason = self._finish_reason
         if reason is not None:
             self._final_taken = True
+        prompt_logprobs = None
+        if self.params.prompt_logprobs is not None and not self._prompt_logprobs_sent:
+            self._prompt_logprobs_sent = True
+            prompt_logprobs = self._prompt_logprobs or [None] * self.request.num_prompt_tokens
         return RequestOutput(self.request_id, tokens, text, self._num_tokens, reason,
                              self._detail if reason is not None else "", self.request.arrival_s,
                              self.first_token_s, trio.current_time(), self.request.num_cached_tokens,
-                             logprobs)
+                             logprobs, prompt_logprobs)
 
 
 def join_logprobs(deltas: Iterable[tuple[int, list | None]]) -> list | None:

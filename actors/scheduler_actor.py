@@ -61,13 +61,13 @@ from cadence.statemachine.errors import (
     CadenceError, EngineClosedError, ExecutorError, PoisonRequestError, ProtocolError,
     RequestNotFoundError,
 )
-from cadence.statemachine.fsm import RequestEventKind
+from cadence.statemachine.fsm import RequestEventKind, RequestState
 from cadence.statemachine.plan import RequestEvent, StepPlan, StepResult
 from cadence.statemachine.scheduler import Scheduler
 from cadence.statemachine.stats import StatsSummary
 
 from .executor import ExecutorBackend, select_requests
-from .messages import ExecuteStep, InitExecutor, Ready, StepOutput
+from .messages import ExecuteStep, InitExecutor, PromptLogprobs, Ready, StepOutput
 from .request_actor import RequestActor
 from .trace import TraceRecorder
 
@@ -328,6 +328,8 @@ class SchedulerActor:
             result = outcome.result
             if outcome.failed and result.step_id == plan.step_id:
                 self._fail_named(outcome.failed)
+            if outcome.prompt_logprobs and result.step_id == plan.step_id:
+                self._route_prompt_logprobs(outcome.prompt_logprobs, plan.step_id)
             events = self.core.update(plan, result)
             self._route(events, plan.step_id)
             if result.step_id == plan.step_id:
@@ -381,6 +383,7 @@ class SchedulerActor:
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list] = {}
         failed: dict[str, str] = {}
+        prompt_logprobs: dict[str, PromptLogprobs] = {}
         execute_us = 0
         failure: tuple[str, int | None, set[str]] | None = None
         for n, index in enumerate(order):
@@ -397,10 +400,12 @@ class SchedulerActor:
             sampled.update(result.sampled_token_ids)
             logprobs.update(result.logprobs or {})
             failed.update(outcome.failed)
+            prompt_logprobs.update(outcome.prompt_logprobs)
             execute_us += result.execute_us
             self._call_succeeded()
         if failed:
             self._fail_named(failed)
+        self._route_prompt_logprobs(prompt_logprobs, plan.step_id)
         result = StepResult(plan.step_id, sampled, logprobs or None, execute_us)
         self._route(self.core.update(plan, result), plan.step_id)
         self._clear_suspects()
@@ -639,6 +644,19 @@ class SchedulerActor:
         self._check_idle()
 
     # ---- routing ---------------------------------------------------------------
+    def _route_prompt_logprobs(self, scored: dict[str, PromptLogprobs], step: int) -> None:
+        """Hand each request's scored prompt tokens to its actor, before the step's
+        events (the step that ends a prompt also samples its first token); as the
+        core does with tokens, a request admitted again since the step gets none."""
+        actors = self.actors
+        for rid, part in scored.items():
+            actor = actors.get(rid)
+            if actor is None:
+                continue
+            request = actor.request
+            if request.fsm.state is RequestState.RUNNING and request.admitted_step <= step:
+                actor.add_prompt_logprobs(part.first_position, part.entries)
+
     def _route(self, events: list[RequestEvent], step: int) -> None:
         """Deliver each event to its request's actor, in the core's order."""
         actors = self.actors

@@ -27,8 +27,8 @@ import trio
 from cadence.statemachine.errors import ExecutorError
 from cadence.statemachine.plan import StepPlan, StepResult
 
-from .executor_worker import fabricated_logprobs
-from .messages import ExecuteStep, InitExecutor, Ready, StepOutput
+from .executor_worker import fabricated_logprobs, fabricated_prompt_logprobs
+from .messages import ExecuteStep, InitExecutor, PromptLogprobs, Ready, StepOutput
 
 __all__ = ["LatencyModel", "ZERO_LATENCY", "Fault", "Poison", "FaultPlan", "SimulatedExecutor",
            "simulated_token"]
@@ -196,11 +196,13 @@ class _Sequence:
     """One request in the persistent batch."""
 
     __slots__ = ("key", "token_ids", "num_prompt_tokens", "num_computed_tokens", "block_ids",
-                 "logprobs")
+                 "logprobs", "prompt_logprobs")
 
     def __init__(self, key: int, token_ids: list[int], num_prompt_tokens: int,
-                 num_computed_tokens: int, block_ids: list[int], logprobs: int | None = None) -> None:
+                 num_computed_tokens: int, block_ids: list[int], logprobs: int | None = None,
+                 prompt_logprobs: int | None = None) -> None:
         self.logprobs = logprobs  # alternatives to report per sampled token (None: no logprobs)
+        self.prompt_logprobs = prompt_logprobs  # likewise per prompt token
         self.key = key
         self.token_ids = token_ids
         self.num_prompt_tokens = num_prompt_tokens
@@ -381,7 +383,8 @@ class SimulatedExecutor:
             batch[data.request_id] = _Sequence(
                 _request_key(seed, data.request_id), list(data.token_ids), data.num_prompt_tokens,
                 data.num_computed_tokens, list(data.block_ids),
-                params.logprobs if params is not None else None)
+                params.logprobs if params is not None else None,
+                params.prompt_logprobs if params is not None else None)
         for rid, block_ids in plan.new_block_ids.items():
             seq = batch.get(rid)
             if seq is None:
@@ -391,6 +394,7 @@ class SimulatedExecutor:
         block_size, token_fn = self._block_size, self.token_fn
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[list[tuple[int, float]]]] = {}
+        prompt_logprobs: dict[str, PromptLogprobs] = {}
         failed: dict[str, str] = {}
         poisoned = self.faults is not None and bool(self.faults.poison)
         num_prefill = num_decode = 0
@@ -412,6 +416,11 @@ class SimulatedExecutor:
                 self._protocol_violation(
                     f"request {rid!r}: step computes {after} tokens but only {len(tokens)} are "
                     f"known and its {len(seq.block_ids)} blocks hold {len(seq.block_ids) * block_size}")
+            if seq.prompt_logprobs is not None:
+                scored = fabricated_prompt_logprobs(tokens, seq.num_prompt_tokens, before, n,
+                                                    seq.prompt_logprobs, vocab)
+                if scored is not None:
+                    prompt_logprobs[rid] = PromptLogprobs(*scored)
             if n == 1 and before >= seq.num_prompt_tokens:
                 num_decode += 1
             else:
@@ -427,7 +436,7 @@ class SimulatedExecutor:
                     logprobs[rid] = [fabricated_logprobs(token, seq.logprobs, vocab)]
         step_us = self.latency.step_us(num_prefill, num_decode)
         result = StepResult(plan.step_id, sampled, logprobs or None, int(step_us))
-        return StepOutput(result, failed), step_us
+        return StepOutput(result, failed, prompt_logprobs), step_us
 
     def _protocol_violation(self, message: str) -> None:
         self._alive = False

@@ -2,7 +2,7 @@
 
 `SamplingParams` checks its own fields' types and ranges where it is built;
 `validate_request` adds what depends on the model and the operator: token ids
-below the vocabulary size (prompt and stop ids), `top_k` and `logprobs` within
+below the vocabulary size (prompt and stop ids), `top_k`, `logprobs` and `prompt_logprobs` within
 the vocabulary, the number and length of stop strings, the request options
 (priority, tenant, deadline, timeout, cache salt), and the cheapest length
 check there is: a text prompt with more UTF-8 bytes than `max_model_len`
@@ -124,9 +124,10 @@ def _check_params(params: SamplingParams, limits: RequestLimits) -> None:
     vocab = limits.vocab_size
     if params.top_k > vocab:
         raise InvalidRequestError(f"top_k must be in [0, vocab_size={vocab}], got {params.top_k}")
-    if params.logprobs is not None and params.logprobs > vocab:
-        raise InvalidRequestError(
-            f"logprobs must be at most vocab_size={vocab}, got {params.logprobs}")
+    for field in ("logprobs", "prompt_logprobs"):
+        wanted = getattr(params, field)
+        if wanted is not None and wanted > vocab:
+            raise InvalidRequestError(f"{field} must be at most vocab_size={vocab}, got {wanted}")
     check_token_ids("stop_token_ids", params.stop_token_ids, vocab)
     stops = params.stop
     if not stops:

@@ -163,7 +163,7 @@ def _number_map(value: object, path: str) -> dict[str, int | float | None]:
 # Sampling parameters: any subset of SamplingParams' fields; the rest default.
 
 _SAMPLING_INTS = ("max_tokens", "min_tokens", "top_k")
-_SAMPLING_OPTIONAL_INTS = ("seed", "logprobs")
+_SAMPLING_OPTIONAL_INTS = ("seed", "logprobs", "prompt_logprobs")
 _SAMPLING_FLOATS = (
     "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
 )

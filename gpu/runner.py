@@ -54,6 +54,9 @@ NUM_SCRATCH_BLOCKS = 1
 GRAPH_WORKSPACE_BYTES = 64 << 20
 # Initial size of the pinned staging buffer of eager steps; it grows on demand.
 INITIAL_STAGING_BYTES = 1 << 20
+# Prompt positions scored per pass when a request asks for prompt logprobs: bounds
+# the float32 logits and log-softmax temporaries to this many rows of the vocabulary.
+PROMPT_LOGPROBS_ROWS = 256
 
 
 class TokenSlice(SequenceABC):
@@ -292,6 +295,7 @@ class ModelRunner:
         # Requests it failed and dropped, until a plan names them finished or preempted:
         # a plan made before the failure was known may still schedule them.
         self._dropped: dict[str, str] = {}
+        self._prompt_logprobs: dict[str, tuple[int, list[list[tuple[int, float]]]]] = {}
         self._max_blocks_per_seq = -(-self.max_model_len // block_size)
         self._block_table = torch.zeros(max_num_seqs, self._max_blocks_per_seq, dtype=torch.int32)
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
@@ -388,6 +392,13 @@ class ModelRunner:
         failed, self._failed = self._failed, {}
         return failed
 
+    def take_prompt_logprobs(self) -> dict[str, tuple[int, list[list[tuple[int, float]]]]]:
+        """The prompt log-probabilities the last step computed: per request that asked,
+        (the prompt position of the first token scored, one entry of [token id,
+        logprob] pairs per token: that prompt token first, then the top alternatives)."""
+        scored, self._prompt_logprobs = self._prompt_logprobs, {}
+        return scored
+
     def enable_gpu_timing(self) -> GpuTimer:
         """Start measuring each step's device time (CUDA only); returns the timer that sums it."""
         if self.device.type != "cuda":
@@ -399,6 +410,7 @@ class ModelRunner:
         """Apply the plan's deltas, compute its scheduled tokens, sample where a request reached its end."""
         start_ns = time.perf_counter_ns()
         self._failed = {}
+        self._prompt_logprobs = {}
         self._apply_deltas(plan, sampling_params)
         scheduled = self._scheduled_requests(plan)
         if not scheduled:
@@ -410,15 +422,17 @@ class ModelRunner:
             if state.num_computed_tokens + n == len(state.token_ids)
         ]
         batch = self._host_batch(scheduled)
+        prompt_spans = self._prompt_spans(scheduled)
         with torch.inference_mode():
             if self.gpu_timer is not None:
                 self.gpu_timer.start()
             graphs = self.decode_graphs
+            # The decode graphs keep only each sequence's last row: prompt scoring runs eagerly.
             if (graphs is not None and batch.num_decode_seqs == len(scheduled)
-                    and len(scheduled) <= graphs.max_batch_size):
+                    and len(scheduled) <= graphs.max_batch_size and not prompt_spans):
                 logits = self._decode_logits(graphs, batch, sample_seqs)
             else:
-                logits = self._eager_logits(batch, sample_seqs)
+                logits = self._eager_logits(batch, sample_seqs, prompt_spans)
             states = [scheduled[i][0] for i in sample_seqs]
             try:
                 tokens, logprobs = self._sample(logits, states) if states else ([], [])
@@ -428,6 +442,8 @@ class ModelRunner:
                 self.gpu_timer.stop()
         for state, n in scheduled:
             state.num_computed_tokens += n
+        for request_id in self._failed:
+            self._prompt_logprobs.pop(request_id, None)
         by_request: dict[str, int] = {}
         logprobs_by_request: dict[str, list[list[tuple[int, float]]]] = {}
         for state, token, token_logprobs in zip(states, tokens, logprobs):
@@ -508,13 +524,62 @@ class ModelRunner:
         )
         return StepInputs(input_ids, positions, meta), rows
 
-    def _eager_logits(self, batch: HostBatch, sample_seqs: list[int]) -> torch.Tensor | None:
-        """Run the flattened batch through the model; logits of the sampled sequences' last tokens."""
+    def _eager_logits(self, batch: HostBatch, sample_seqs: list[int],
+                      prompt_spans: Sequence[tuple[int, CachedRequestState, int, int]] = ()
+                      ) -> torch.Tensor | None:
+        """Run the flattened batch through the model; logits of the sampled sequences' last
+        tokens. The prompt positions of `prompt_spans` are scored on the way."""
         inputs, rows = self._send(batch, sample_seqs)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if prompt_spans:
+            self._score_prompts(hidden, batch, prompt_spans)
         if not sample_seqs:
             return None
         return self.model.compute_logits(hidden[rows])
+
+    @staticmethod
+    def _prompt_spans(scheduled: Sequence[tuple[CachedRequestState, int]]
+                      ) -> list[tuple[int, CachedRequestState, int, int]]:
+        """(batch index, state, first position, end position) of the positions this step
+        computes whose logits score a next prompt token, for requests that asked."""
+        spans = []
+        for i, (state, n) in enumerate(scheduled):
+            start, last = state.num_computed_tokens, state.num_prompt_tokens - 1
+            if start < last and state.sampling_params.prompt_logprobs is not None:
+                spans.append((i, state, start, min(start + n, last)))
+        return spans
+
+    def _score_prompts(self, hidden: torch.Tensor, batch: HostBatch,
+                       spans: Sequence[tuple[int, CachedRequestState, int, int]]) -> None:
+        """Log-softmax of the raw logits at each span position, gathered at the next prompt
+        token and its top alternatives, in passes of at most PROMPT_LOGPROBS_ROWS rows."""
+        query_starts = batch.query_start_loc.tolist()
+        rows, targets, owners = [], [], []
+        for i, state, start, end in spans:
+            first_row = query_starts[i]
+            rows.extend(range(first_row, first_row + end - start))
+            targets.extend(state.token_ids[start + 1 : end + 1])
+            owners.extend([i] * (end - start))
+        entries: dict[int, list[list[tuple[int, float]]]] = {i: [] for i, *_ in spans}
+        wanted = {i: state.sampling_params.prompt_logprobs for i, state, *_ in spans}
+        device = hidden.device
+        for low in range(0, len(rows), PROMPT_LOGPROBS_ROWS):
+            high = min(low + PROMPT_LOGPROBS_ROWS, len(rows))
+            logits = self.model.compute_logits(hidden[int64_tensor(rows[low:high]).to(device)])
+            if logits is None:
+                continue  # a tensor-parallel rank other than 0: its peer on rank 0 keeps the result
+            logprobs = logits.float().log_softmax(dim=-1)
+            target = int64_tensor(targets[low:high]).to(device)
+            target_lp = logprobs.gather(1, target[:, None])[:, 0].tolist()
+            num_top = max(wanted[owner] for owner in owners[low:high])
+            top_lp, top_ids = (t.tolist() for t in logprobs.topk(num_top, dim=-1))
+            for j in range(high - low):
+                n = wanted[owners[low + j]]
+                entries[owners[low + j]].append(
+                    [(targets[low + j], target_lp[j]), *zip(top_ids[j][:n], top_lp[j][:n])])
+        for i, state, start, _ in spans:
+            if entries[i]:
+                self._prompt_logprobs[state.request_id] = (start + 1, entries[i])
 
     def _decode_logits(self, graphs: DecodeGraphs, batch: HostBatch, sample_seqs: list[int]) -> torch.Tensor:
         """Logits of a pure-decode batch through the padded (graph) path, rows of the sampled sequences."""

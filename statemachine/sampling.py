@@ -87,6 +87,7 @@ SAMPLING_RANGES: dict[str, tuple[str, float, float, str]] = {
     "frequency_penalty": ("float", -MAX_PENALTY, MAX_PENALTY, f"in [-{MAX_PENALTY}, {MAX_PENALTY}]"),
     "seed": ("int?", MIN_SEED, MAX_SEED, "None or in [-2^63, 2^64 - 1]"),
     "logprobs": ("int?", 0, MAX_LOGPROBS, f"None or in [0, {MAX_LOGPROBS}]"),
+    "prompt_logprobs": ("int?", 0, MAX_LOGPROBS, f"None or in [0, {MAX_LOGPROBS}]"),
 }
 
 
@@ -145,7 +146,9 @@ class SamplingParams:
     temperature 0 means greedy. top_k 0 and top_p 1 and min_p 0 disable those
     filters. `seed` makes a request's samples reproducible regardless of what
     else is in the batch. `logprobs` asks for that many top alternatives per
-    token (the sampled token's logprob always comes first). `stop` strings are
+    token (the sampled token's logprob always comes first); `prompt_logprobs`
+    asks for the same of every prompt token after the first (such a request
+    computes its whole prompt: it reads nothing from the prefix cache). `stop` strings are
     matched on detokenised text by the request actor; a bare string is one stop
     string. Every field is checked on construction (`SAMPLING_RANGES`).
     `max_tokens=None` means up to the engine's max_model_len (the engine fills it
@@ -163,6 +166,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     ignore_eos: bool = False
     stop: tuple[str, ...] = attrs.field(default=(), converter=_stop_strings)
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_stop_token_ids)
