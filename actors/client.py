@@ -28,14 +28,15 @@ import socket
 import time
 from collections import deque
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Sequence, Union
+from typing import Any, AsyncIterator, Mapping, Sequence, Union
 
 import attrs
 import trio
 
-from cadence.statemachine.errors import CadenceError, ConfigError
+from cadence.statemachine.errors import CadenceError, ConfigError, InvalidRequestError
 from cadence.statemachine.sampling import SamplingParams
 
+from .chat import check_messages
 from .request_actor import join_logprobs
 from .unwrap import unwrapping
 from .wire import (
@@ -91,7 +92,7 @@ def parse_address(address: Address) -> tuple[str, Any]:
 
 @attrs.frozen
 class Completion:
-    """A finished stream as a whole."""
+    """A finished stream as a whole (prompt_logprobs: as in the first `Output`)."""
 
     request_id: str
     token_ids: list[int]
@@ -101,17 +102,41 @@ class Completion:
     num_prompt_tokens: int
     num_cached_tokens: int
     logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
-def _generate_message(stream: int, prompt: Prompt, params: SamplingParams | None, options: dict,
-                      sampling: dict) -> Generate:
+def _generate_message(stream: int, prompt: Prompt | None, params: SamplingParams | None,
+                      options: dict, sampling: dict) -> Generate:
     if params is not None and sampling:
         raise ConfigError("pass either params or sampling keywords, not both")
     if params is None:
         params = SamplingParams(**sampling)
-    if not isinstance(prompt, str):
-        prompt = list(prompt)
-    return Generate(stream=stream, prompt=prompt, params=params, **options)
+    options = dict(options)
+    prompt, messages = _prompt_or_messages(prompt, options.pop("prompt_token_ids", None),
+                                           options.pop("messages", None))
+    return Generate(stream=stream, prompt=prompt, params=params, messages=messages, **options)
+
+
+def _prompt_or_messages(prompt: Prompt | None, prompt_token_ids: Sequence[int] | None,
+                        messages: Sequence[Any] | None) -> tuple[str | list[int] | None, list[dict] | None]:
+    """(prompt, messages) of a Generate from exactly one of the three ways to give a prompt."""
+    given = [name for name, value in (("prompt", prompt), ("prompt_token_ids", prompt_token_ids),
+                                      ("messages", messages)) if value is not None]
+    if len(given) != 1:
+        raise InvalidRequestError(
+            "give exactly one of prompt, prompt_token_ids and messages; got "
+            + (" and ".join(given) if given else "none"))
+    if messages is not None:
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+            raise InvalidRequestError(
+                f"messages must be a list of {{'role': ..., 'content': ...}} maps, got {type(messages).__name__}")
+        conversation = [dict(m) if isinstance(m, Mapping) else m for m in messages]
+        return None, check_messages(conversation)
+    if prompt_token_ids is not None:
+        if isinstance(prompt_token_ids, str):
+            raise InvalidRequestError("prompt_token_ids must be a list of token ids, got a str")
+        return list(prompt_token_ids), None
+    return (prompt if isinstance(prompt, str) else list(prompt)), None  # type: ignore[arg-type]
 
 
 class StreamState:
@@ -161,9 +186,10 @@ class ClientProtocol:
         """The Hello frame."""
         return pack_frame(encode(Hello(token=self.token, client=self.client_name)))
 
-    def generate(self, prompt: Prompt, params: SamplingParams | None, options: dict,
+    def generate(self, prompt: Prompt | None, params: SamplingParams | None, options: dict,
                  sampling: dict) -> tuple[StreamState, bytes]:
-        """A new stream and its Generate frame."""
+        """A new stream and its Generate frame (`options` may hold `prompt_token_ids`
+        or `messages` in place of `prompt`)."""
         self.check_open()
         sid = self._num_streams
         self._num_streams += 1
@@ -292,7 +318,8 @@ def _completion(state: StreamState, outputs: list[Output]) -> Completion:
         text="".join(texts) if last.text is not None else None, finish_reason=last.finish_reason,
         detail=last.detail, num_prompt_tokens=state.num_prompt_tokens or 0,
         num_cached_tokens=last.num_cached_tokens,
-        logprobs=join_logprobs((len(o.token_ids), o.logprobs) for o in outputs))
+        logprobs=join_logprobs((len(o.token_ids), o.logprobs) for o in outputs),
+        prompt_logprobs=outputs[0].prompt_logprobs)
 
 
 def _timeout_error(timeout_s: float, what: str) -> ClientTimeoutError:
@@ -412,21 +439,27 @@ class Client:
         """What the server said about itself."""
         return self.protocol.welcome
 
-    def generate(self, prompt: Prompt, params: SamplingParams | None = None, *,
+    def generate(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
+                 prompt_token_ids: Sequence[int] | None = None,
+                 messages: Sequence[Mapping[str, Any]] | None = None,
                  priority: int = 0, tenant: str = "default", deadline_s: float | None = None,
                  timeout_s: float | None = None, cache_salt: str | None = None,
                  **sampling) -> SyncStream:
-        """Start a request and return its stream. Sampling fields may be given as
-        keywords (max_tokens=16) instead of params. timeout_s: the server aborts
-        the request after this long (detail "timeout")."""
+        """Start a request and return its stream. The prompt is exactly one of
+        `prompt` (text or token ids), `prompt_token_ids`, or `messages` (a
+        conversation of {"role", "content"} maps the server renders with its
+        model's chat template). Sampling fields may be given as keywords
+        (max_tokens=16) instead of params. timeout_s: the server aborts the
+        request after this long (detail "timeout")."""
         options = dict(priority=priority, tenant=tenant, deadline_s=deadline_s, timeout_s=timeout_s,
-                       cache_salt=cache_salt)
+                       cache_salt=cache_salt, prompt_token_ids=prompt_token_ids, messages=messages)
         state, frame = self.protocol.generate(prompt, params, options, sampling)
         self._send_bytes(frame)
         return SyncStream(self, state)
 
-    def complete(self, prompt: Prompt, params: SamplingParams | None = None, **options) -> Completion:
-        """Run one request to the end and return it whole."""
+    def complete(self, prompt: Prompt | None = None, params: SamplingParams | None = None,
+                 **options) -> Completion:
+        """Run one request to the end and return it whole (arguments as `generate`)."""
         with self.generate(prompt, params, **options) as stream:
             return stream.collect()
 
@@ -562,20 +595,22 @@ class _AsyncClientCalls:
         """What the server said about itself."""
         return self.protocol.welcome
 
-    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *,
+    async def generate(self, prompt: Prompt | None = None, params: SamplingParams | None = None, *,
+                       prompt_token_ids: Sequence[int] | None = None,
+                       messages: Sequence[Mapping[str, Any]] | None = None,
                        priority: int = 0, tenant: str = "default", deadline_s: float | None = None,
                        timeout_s: float | None = None, cache_salt: str | None = None,
                        **sampling):
         """Start a request and return its stream (see `Client.generate`)."""
         options = dict(priority=priority, tenant=tenant, deadline_s=deadline_s, timeout_s=timeout_s,
-                       cache_salt=cache_salt)
+                       cache_salt=cache_salt, prompt_token_ids=prompt_token_ids, messages=messages)
         state, frame = self.protocol.generate(prompt, params, options, sampling)
         await self._send_bytes(frame)
         return self._stream_class(self, state)
 
-    async def complete(self, prompt: Prompt, params: SamplingParams | None = None,
+    async def complete(self, prompt: Prompt | None = None, params: SamplingParams | None = None,
                        **options) -> Completion:
-        """Run one request to the end and return it whole."""
+        """Run one request to the end and return it whole (arguments as `generate`)."""
         async with await self.generate(prompt, params, **options) as stream:
             return await stream.collect()
 

@@ -482,6 +482,8 @@ class Output:
     or "abort"; detail says more ("stop string", "timeout", ...). logprobs (sent
     only when the request asked for them) holds, per token, [token id, logprob]
     pairs, the sampled token first; nil for a token the engine had none for.
+    prompt_logprobs (only on the first Output of a request that asked for them)
+    holds the same per prompt token, that prompt token first; nil for the first.
     """
 
     stream: int
@@ -492,11 +494,12 @@ class Output:
     detail: str = ""
     num_cached_tokens: int = 0
     logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     TYPE: ClassVar[str] = "Output"
     _FIELDS: ClassVar[frozenset] = frozenset(
         {"stream", "token_ids", "text", "num_tokens", "finish_reason", "detail", "num_cached_tokens"})
-    _OPTIONAL: ClassVar[frozenset] = frozenset({"logprobs"})
+    _OPTIONAL: ClassVar[frozenset] = frozenset({"logprobs", "prompt_logprobs"})
 
     @property
     def finished(self) -> bool:
@@ -512,6 +515,8 @@ class Output:
         }
         if self.logprobs is not None:
             payload["logprobs"] = self.logprobs
+        if self.prompt_logprobs is not None:
+            payload["prompt_logprobs"] = self.prompt_logprobs
         return payload
 
     @classmethod
@@ -519,12 +524,9 @@ class Output:
         """Validate a payload map and build the message; raises MessageError."""
         m = _fields(payload, "Output", cls._FIELDS, cls._OPTIONAL)
         token_ids = _ids(m["token_ids"], "Output.token_ids")
-        logprobs = m.get("logprobs")
-        if logprobs is not None:
-            logprobs = [None if entry is None else check_alternatives(entry, f"Output.logprobs[{i}]")
-                        for i, entry in enumerate(_list(logprobs, "Output.logprobs"))]
-            if len(logprobs) != len(token_ids):
-                raise MessageError(f"Output.logprobs: {len(logprobs)} entries for {len(token_ids)} tokens")
+        logprobs = _optional_entries(m.get("logprobs"), "Output.logprobs")
+        if logprobs is not None and len(logprobs) != len(token_ids):
+            raise MessageError(f"Output.logprobs: {len(logprobs)} entries for {len(token_ids)} tokens")
         return cls(
             stream=_int(m["stream"], "Output.stream", 0, MAX_ID),
             token_ids=token_ids,
@@ -534,7 +536,16 @@ class Output:
             detail=_str(m["detail"], "Output.detail"),
             num_cached_tokens=_int(m["num_cached_tokens"], "Output.num_cached_tokens"),
             logprobs=logprobs,
+            prompt_logprobs=_optional_entries(m.get("prompt_logprobs"), "Output.prompt_logprobs"),
         )
+
+
+def _optional_entries(value: object, path: str) -> list[list[tuple[int, float]] | None] | None:
+    """Per-token log-probabilities (nil entries allowed), or None when absent."""
+    if value is None:
+        return None
+    return [None if entry is None else check_alternatives(entry, f"{path}[{i}]")
+            for i, entry in enumerate(_list(value, path))]
 
 
 @attrs.frozen

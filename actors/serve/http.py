@@ -555,7 +555,7 @@ class HttpServer:
         await exchange.send(_response(200, _EVENT_STREAM))
         if request.chat:
             await exchange.send_bytes(b"".join(frame(encoder.event([c.role_delta()])) for c in choices))
-        elif request.echo:
+        elif request.echo and request.logprobs is None:
             await exchange.send_bytes(b"".join(
                 frame(encoder.event([c.echo_delta(request, self)])) for c in choices))
         token_text = self.token_text
@@ -564,9 +564,14 @@ class HttpServer:
 
         async def emit(choice: Choice, out) -> None:
             entry = choice.delta_json(request, out, token_text)
-            if entry is None:
+            data = b""
+            if request.echo and not choice.echoed:
+                # With logprobs the echo waits for the first output, which brings the prompt's.
+                data = frame(encoder.event([choice.echo_delta(request, self)]))
+            elif entry is None:
                 return
-            data = frame(encoder.event_json(entry))
+            if entry is not None:
+                data += frame(encoder.event_json(entry))
             try:
                 if lock is None:
                     await exchange.send_bytes(data)

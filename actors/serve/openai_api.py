@@ -161,6 +161,9 @@ def parse_request(body: object, chat: bool, http) -> ApiRequest:
     logprobs = _logprobs(body, chat)
     echo = bool(_field(body, "echo", check_bool))
     params = _sampling_params(body, chat, prompts, logprobs, engine)
+    if echo and logprobs is not None:
+        # The echoed prompt's tokens carry their logprobs too, as OpenAI's do.
+        params = attrs.evolve(params, prompt_logprobs=logprobs)
     tenant = _field(body, "tenant", check_str, MAX_TENANT_CHARS)
     _field(body, "user", check_str)
     return ApiRequest(
@@ -277,6 +280,9 @@ class Choice:
     texts: list = attrs.Factory(list)
     token_ids: list = attrs.Factory(list)
     logprobs: list = attrs.Factory(list)  # (token id, pairs) per generated token
+    # The prompt's entries (None for its first token) when echo asks for its logprobs.
+    prompt_logprobs: list | None = None
+    echoed: bool = False
     finish_reason: str | None = None
     error: Exception | None = None
     text_offset: int = 0
@@ -288,6 +294,8 @@ class Choice:
     def add(self, out, whole: bool) -> None:
         """Take one engine delta; `whole`: keep its text, tokens and logprobs for a
         non-streamed answer (a streamed one only needs the counts)."""
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if whole:
             if out.text:
                 self.texts.append(out.text)
@@ -304,10 +312,13 @@ class Choice:
                 "logprobs": None, "finish_reason": None}
 
     def echo_delta(self, request: ApiRequest, http) -> dict:
-        """A completion stream's first chunk when the prompt is echoed."""
+        """A completion stream's first chunk when the prompt is echoed (with its
+        tokens' logprobs when asked: it is then sent with the first output)."""
+        self.echoed = True
         text = _prompt_text(request.prompts[self.prompt_index], http)
+        logprobs = self._prompt_logprobs(request, http) if request.logprobs is not None else None
         self.text_offset = len(text)
-        return {"index": self.index, "text": text, "logprobs": None, "finish_reason": None}
+        return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": None}
 
     def delta_json(self, request: ApiRequest, out, token_text: Callable[[int], str]) -> bytes | None:
         """The chunk entry for one engine delta as JSON (None when it says nothing).
@@ -348,9 +359,13 @@ class Choice:
         text = "".join(self.texts)
         logprobs = None
         if request.logprobs is not None:
+            echoed = None
             if not request.chat and request.echo:
+                echoed = self._prompt_logprobs(request, http)
                 self.text_offset = len(_prompt_text(request.prompts[self.prompt_index], http))
             logprobs = self._render_logprobs(request, self.logprobs, http.token_text)
+            if echoed is not None:
+                logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
         if request.chat:
             whole = {"index": self.index, "message": {"role": "assistant", "content": text},
                      "logprobs": logprobs, "finish_reason": self.finish_reason}
@@ -363,7 +378,16 @@ class Choice:
             whole["token_ids"] = self.token_ids
         return whole
 
+    def _prompt_logprobs(self, request: ApiRequest, http) -> dict:
+        """The echoed prompt's tokens in OpenAI's completion logprobs shape, offsets
+        from 0; the first token (and any the engine did not score) has null logprobs."""
+        token_ids = self.stream.prompt_token_ids or []
+        entries = self.prompt_logprobs or [None] * len(token_ids)
+        self.text_offset = 0
+        return self._render_logprobs(request, list(zip(token_ids, entries)), http.token_text)
+
     def _render_logprobs(self, request: ApiRequest, tokens: list, token_text) -> dict:
+        """OpenAI's logprobs of (token id, pairs) entries; pairs None renders as null."""
         top = request.logprobs
         if request.chat:
             content = []
@@ -378,8 +402,9 @@ class Choice:
         for token_id, pairs in tokens:
             text = token_text(token_id)
             texts.append(text)
-            values.append(_logprob(pairs[0][1]))
-            tops.append({token_text(alt): _logprob(lp) for alt, lp in pairs[1:1 + top]} if top else None)
+            values.append(None if pairs is None else _logprob(pairs[0][1]))
+            tops.append({token_text(alt): _logprob(lp) for alt, lp in pairs[1:1 + top]}
+                        if top and pairs is not None else None)
             offsets.append(self.text_offset)
             self.text_offset += len(text)
         return {"tokens": texts, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}

@@ -418,7 +418,7 @@ class _ServerConnection(Connection):
                 metrics.on_finished(out.finish_reason, out.arrival_s, out.now_s)
             await self.send(Output(state.stream, out.token_ids, out.text, out.num_tokens,
                                    out.finish_reason, out.detail, out.num_cached_tokens,
-                                   out.logprobs))
+                                   out.logprobs, out.prompt_logprobs))
 
     def _num_prompt_tokens(self, request_id: str, prompt: str | list[int]) -> int:
         actor = self.server.engine.scheduler.actors.get(request_id)
