@@ -20,9 +20,9 @@ from cadence.actors.serve.server import ServerThread, open_server
 from cadence.actors.simulated import LatencyModel
 from cadence.actors.wire import (
     Accepted, ClientTimeoutError, ConnectionClosedError, Error, LimitExceededError, Output,
-    RemoteQueueFullError, ServerShutdownError, Welcome, encode, pack_frame,
+    RemoteQueueFullError, ServerShutdownError, Welcome, decode_request, encode, pack_frame,
 )
-from cadence.statemachine.errors import ConfigError, ProtocolError, QueueFullError
+from cadence.statemachine.errors import ConfigError, InvalidRequestError, ProtocolError, QueueFullError
 from cadence.statemachine.sampling import SamplingParams
 
 from test_server_support import SLOW_STEP, engine_config, expected_tokens, server_config, settled
@@ -302,3 +302,31 @@ def test_output_logprobs_round_trip_and_are_checked():
     wire["logprobs"] = [[[5, "x"]], None]
     with pytest.raises(ProtocolError, match=r"Output\.logprobs\[0\]\[0\]\[1\]: expected float"):
         Output.from_wire(wire)
+
+
+@pytest.mark.parametrize("given, expected", [
+    (dict(prompt=[1], messages=[{"role": "user", "content": "x"}]), "got prompt and messages"),
+    (dict(prompt="x", prompt_token_ids=[1]), "got prompt and prompt_token_ids"),
+    (dict(), "got none"),
+    (dict(prompt_token_ids="12"), "prompt_token_ids must be a list of token ids"),
+    (dict(messages="hello"), "messages must be a list"),
+    (dict(messages=[{"content": "x"}]), r"messages\[0\].role"),
+    (dict(messages=[]), "messages must be a non-empty list"),
+])
+def test_a_prompt_is_given_exactly_one_way(given, expected):
+    protocol = _welcomed()
+    prompt = given.pop("prompt", None)
+    with pytest.raises(InvalidRequestError, match=expected):
+        protocol.generate(prompt, None, given, {})
+    assert not protocol.streams  # nothing was started
+
+
+def test_messages_and_prompt_token_ids_reach_the_generate_frame():
+    protocol = _welcomed()
+    conversation = ({"role": "user", "content": "x"},)
+    _, frame = protocol.generate(None, None, {"messages": conversation}, {})
+    message = decode_request(frame[4:])
+    assert message.prompt is None and message.messages == [{"role": "user", "content": "x"}]
+    _, frame = protocol.generate(None, None, {"prompt_token_ids": (4, 5)}, {})
+    message = decode_request(frame[4:])
+    assert message.prompt == [4, 5] and message.messages is None

@@ -1,16 +1,22 @@
 """Chat over the msgpack protocol: a Generate with `messages` instead of `prompt` is
 rendered with the model's chat template (the demo model's tokenizer and template,
-the simulated executor)."""
+the simulated executor); the Python clients send `messages=` and get, on the demo
+model itself, what `LLM.chat` gives."""
 
 from __future__ import annotations
 
+import asyncio
+
 import msgpack
 import pytest
+import trio
 
+from cadence.actors import LLM
 from cadence.actors.chat import ChatTemplate, encode_rendered
+from cadence.actors.client import AsyncioClient, Client, open_client
 from cadence.actors.cli import demo_model_dir
 from cadence.actors.engine import EngineConfig
-from cadence.actors.serve.server import open_server
+from cadence.actors.serve.server import ServerThread, open_server
 from cadence.actors.wire import Accepted, Error, ErrorCode, Generate, Output, SamplingParams
 from cadence.gpu.tokenizer import Tokenizer
 
@@ -72,3 +78,41 @@ async def test_malformed_chat_requests_name_the_problem(payload, expected):
         assert type(error) is Error and expected in error.message
         await conn.stream.aclose()
         await settled(server)
+
+
+# ---- the Python clients send messages --------------------------------------------------------
+
+CONVERSATION = [{"role": "system", "content": "You write Python."},
+                {"role": "user", "content": "a function that adds two numbers"}]
+NUM_CHAT_TOKENS = 8
+
+
+def test_the_clients_send_messages_and_get_what_llm_chat_gives():
+    demo = demo_model_dir()
+    options = dict(executor="inprocess", model=demo, max_model_len=256, num_blocks=64)
+    greedy = SamplingParams(max_tokens=NUM_CHAT_TOKENS, temperature=0.0, ignore_eos=True)
+    with LLM(**options) as llm:
+        [expected] = llm.chat(CONVERSATION, greedy, use_tqdm=False)
+    assert len(expected.token_ids) == NUM_CHAT_TOKENS
+
+    async def with_trio(address):
+        async with open_client(address) as client:
+            return await client.complete(messages=CONVERSATION, params=greedy)
+
+    async def with_asyncio(address):
+        client = await AsyncioClient.connect(address)
+        try:
+            return await client.complete(messages=CONVERSATION, params=greedy)
+        finally:
+            await client.aclose()
+
+    with ServerThread(EngineConfig.from_kwargs(**options), server_config()) as thread:
+        address = thread.server.tcp_address
+        with Client.connect(address) as client:
+            completions = [client.complete(messages=CONVERSATION, params=greedy)]
+        completions.append(trio.run(with_trio, address))
+        completions.append(asyncio.run(with_asyncio(address)))
+    for completion in completions:
+        assert completion.num_prompt_tokens == len(expected.prompt_token_ids)
+        assert completion.token_ids == expected.token_ids
+        assert completion.text == expected.text

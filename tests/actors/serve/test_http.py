@@ -133,6 +133,49 @@ def test_logprobs_in_openai_shape(client):
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-4)
 
 
+def _hf_prompt_logprobs(ids: list[int]):
+    """Row p: transformers' log-softmax at position p (it scores token p + 1) on the demo model."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(demo_model_dir(), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client):
+    ids = _prompt_ids(PROMPT)
+    num_prompt, num_top = len(ids), 2
+    ask = dict(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=num_top,
+               extra_body={"ignore_eos": True})
+    plain = client.completions.create(**ask).choices[0]
+    echoed = client.completions.create(echo=True, **ask).choices[0]
+    logprobs = echoed.logprobs
+    assert echoed.text == PROMPT + plain.text
+    assert len(logprobs.tokens) == num_prompt + 4
+    assert "".join(logprobs.tokens[:num_prompt]) == PROMPT
+    # The completion's part is the plain answer's, its offsets after the prompt's text.
+    assert logprobs.tokens[num_prompt:] == plain.logprobs.tokens
+    assert logprobs.token_logprobs[num_prompt:] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-4)
+    assert logprobs.text_offset[num_prompt:] == [len(PROMPT) + o for o in plain.logprobs.text_offset]
+    assert logprobs.text_offset[:num_prompt] == [len("".join(logprobs.tokens[:i])) for i in range(num_prompt)]
+    # The prompt's part: nothing for its first token, transformers' values for the others.
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    reference = _hf_prompt_logprobs(ids)
+    for position in range(1, num_prompt):
+        row = reference[position - 1]
+        assert logprobs.token_logprobs[position] == pytest.approx(row[ids[position]].item(), abs=1e-4)
+        top = sorted(logprobs.top_logprobs[position].values(), reverse=True)
+        assert top == pytest.approx(row.topk(num_top).values.tolist(), abs=1e-4)
+    # Streamed: the first chunk echoes the prompt with the same logprobs.
+    chunks = list(client.completions.create(echo=True, stream=True, **ask))
+    first = chunks[0].choices[0]
+    assert first.text == PROMPT
+    assert first.logprobs.tokens == logprobs.tokens[:num_prompt]
+    assert first.logprobs.token_logprobs[1:] == pytest.approx(logprobs.token_logprobs[1:num_prompt], abs=1e-4)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == echoed.text
+
+
 def test_a_stop_string_ends_the_text_before_it(client):
     base = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text
