@@ -434,6 +434,8 @@ class StepOutput:
     prompt_logprobs: dict[str, PromptLogprobs] = attrs.field(factory=dict)
 
     TYPE: ClassVar[str] = "StepOutput"
+    # Fields the payload leaves out when they are empty.
+    OPTIONAL_FIELDS: ClassVar[frozenset] = frozenset({"prompt_logprobs"})
 
     def to_wire(self) -> dict[str, Any]:
         """The msgpack payload map."""
@@ -446,9 +448,9 @@ class StepOutput:
     def from_wire(cls, payload: object, path: str = "StepOutput") -> StepOutput:
         """Validate a payload map and build the message; raises ProtocolError."""
         mapping = _dict(payload, path)
-        wire_prompt_logprobs = mapping.get("prompt_logprobs")
-        m = _fields(payload, path, _OUTPUT_FIELDS if wire_prompt_logprobs is not None
-                    else _OUTPUT_FIELDS - {"prompt_logprobs"})
+        m = _fields(mapping, path, _OUTPUT_FIELDS if "prompt_logprobs" in mapping
+                    else _OUTPUT_FIELDS - cls.OPTIONAL_FIELDS)
+        wire_prompt_logprobs = m.get("prompt_logprobs")  # nil reads as absent
         failed = _dict(m["failed"], f"{path}.failed")
         _str_keys(failed, f"{path}.failed")
         for rid, reason in failed.items():

@@ -20,6 +20,7 @@ from cadence.actors.messages import (
     ExecutorFailed,
     Heartbeat,
     InitExecutor,
+    PromptLogprobs,
     Ready,
     Shutdown,
     StepOutput,
@@ -85,6 +86,7 @@ def sampling_params(draw) -> SamplingParams:
         frequency_penalty=draw(st.floats(-2.0, 2.0)),
         seed=draw(st.none() | st.integers(-(2**63), UINT64)),
         logprobs=draw(st.none() | st.integers(0, 20)),
+        prompt_logprobs=draw(st.none() | st.integers(0, 20)),
         ignore_eos=draw(st.booleans()),
         stop=draw(st.lists(st.text(min_size=1, max_size=5), max_size=3)),
         stop_token_ids=draw(st.lists(st.integers(0, MAX_INT64), max_size=3)),
@@ -119,6 +121,9 @@ output_messages = st.builds(
         execute_us=counts,
     ),
     failed=st.dictionaries(request_ids, st.text(max_size=20), max_size=3),
+    prompt_logprobs=st.dictionaries(
+        request_ids, st.builds(PromptLogprobs, first_position=st.integers(1, 2**31), entries=logprob_lists),
+        max_size=2),
 )
 failed_messages = st.builds(
     ExecutorFailed, step_id=st.none() | counts, error=st.text(max_size=20), detail=st.text(max_size=40),
@@ -157,7 +162,10 @@ def test_envelope_is_version_type_and_field_map(message):
     assert version == PROTOCOL_VERSION
     assert name == type(message).__name__
     assert isinstance(payload, dict)
-    assert set(payload) == {f.name for f in type(message).__attrs_attrs__}
+    # Every field is in the map, but for those a message leaves out when empty.
+    fields = {f.name for f in type(message).__attrs_attrs__}
+    assert set(payload) <= fields
+    assert fields - set(payload) <= getattr(type(message), "OPTIONAL_FIELDS", frozenset())
 
 
 def test_logprob_pairs_come_back_as_tuples():
