@@ -193,6 +193,30 @@ def test_sharded_ranks_sample_the_tokens_of_one_rank(checkpoints, reference, loc
     assert sum(len(tokens) for tokens in got) > len(plans)  # every request produced tokens
 
 
+def _prompt_scores(runner, prompt: list[int]) -> dict[int, list]:
+    """Prompt logprobs by position, the prompt computed in chunks of 5 tokens."""
+    driver = PlanDriver(runner, token_budget=5)
+    driver.add("a", prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=3))
+    scores: dict[int, list] = {}
+    while driver.waiting or driver.running:
+        driver.step()
+        for first, entries in runner.take_prompt_logprobs().values():
+            scores.update((first + i, entry) for i, entry in enumerate(entries))
+    return scores
+
+
+def test_sharded_ranks_score_prompts_as_one_rank(checkpoints, local_group, one_thread):
+    [prompt] = random_prompts([13], seed=7, vocab_size=250)
+    one = _prompt_scores(ModelRunner.from_pretrained(checkpoints["wide"], num_blocks=NUM_BLOCKS,
+                                                     block_size=BLOCK_SIZE, device="cpu"), prompt)
+    sharded = _prompt_scores(local_group(2, checkpoints["wide"]), prompt)
+    assert sorted(one) == sorted(sharded) == list(range(1, len(prompt)))
+    for position, entry in one.items():
+        assert [t for t, _ in sharded[position]] == [t for t, _ in entry]
+        torch.testing.assert_close(torch.tensor([lp for _, lp in sharded[position]]),
+                                   torch.tensor([lp for _, lp in entry]), atol=1e-4, rtol=0)
+
+
 def test_random_weights_shard_the_same_model(one_thread):
     config = preset("tiny")
     single = ModelRunner(config, num_blocks=8, block_size=BLOCK_SIZE, device="cpu", seed=5)
