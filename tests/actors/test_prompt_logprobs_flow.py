@@ -86,11 +86,13 @@ def _expected(prompt: list[int], num_top: int) -> list:
     return [None, *entries]
 
 
-@pytest.mark.parametrize("executor", ["simulated", "round trip"])
-async def test_chunked_prompt_logprobs_arrive_whole_on_the_first_delta_and_skip_the_cache(executor):
+@pytest.mark.parametrize("executor, overlapped", [
+    ("simulated", False), ("round trip", False), ("simulated", True), ("round trip", True)])
+async def test_chunked_prompt_logprobs_arrive_whole_on_the_first_delta_and_skip_the_cache(executor, overlapped):
     backend = InProcessExecutor(round_trip=True) if executor == "round trip" else "simulated"
     config = EngineConfig.from_kwargs(executor=backend, model="simulated", block_size=BLOCK_SIZE,
-                                      num_blocks=64, max_num_batched_tokens=5, max_model_len=64)
+                                      num_blocks=64, max_num_batched_tokens=5, max_model_len=64,
+                                      async_scheduling=overlapped)
     async with open_engine(config) as engine:
         warm = await engine.generate(PROMPT, SamplingParams(max_tokens=2)).collect()
         deltas = [out async for out in engine.generate(
