@@ -25,10 +25,10 @@ import trio
 
 from cadence.statemachine.config import CacheConfig, SchedulerConfig
 from cadence.statemachine.errors import (
-    ConfigError, ExecutorError, InvalidRequestError, RequestNotFoundError,
+    ConfigError, ExecutorError, InvalidRequestError, RequestNotFoundError, StructuredOutputError,
 )
 from cadence.statemachine.request import Request
-from cadence.statemachine.sampling import SamplingParams
+from cadence.statemachine.sampling import SamplingParams, StructuredOutput
 from cadence.statemachine.scheduler import Scheduler
 from cadence.statemachine.stats import StatsSummary
 
@@ -40,6 +40,7 @@ from .messages import InitExecutor, OptionValue
 from .request_actor import RequestActor, RequestOutput, RequestResult, join_logprobs
 from .scheduler_actor import SchedulerActor, StepListener
 from .simulated import LatencyModel, SimulatedExecutor
+from .structured import DEFAULT_GRAMMAR_CACHE_SIZE, GrammarCompiler, compiler_for
 from .trace import TraceRecorder
 from .validation import (
     DEFAULT_MAX_STOP_CHARS, DEFAULT_MAX_STOP_STRINGS, Prompt, RequestLimits, check_token_ids,
@@ -142,6 +143,8 @@ class EngineConfig:
       and most characters in each (requests over them are refused).
     trace_path, record_trace: write the event trace as JSON lines to a file,
       and/or keep it in memory (`engine.trace.records`).
+    grammar_cache_size: compiled structured-output grammars kept per tokenizer
+      (least recently used dropped first; 0 compiles every request's anew).
     seed: the executor's seed.
     """
 
@@ -166,6 +169,7 @@ class EngineConfig:
     max_stop_chars: int = attrs.field(default=DEFAULT_MAX_STOP_CHARS, validator=_positive)
     trace_path: str | None = None
     record_trace: bool = False
+    grammar_cache_size: int = attrs.field(default=DEFAULT_GRAMMAR_CACHE_SIZE, validator=_non_negative)
     seed: int = 0
 
     def __attrs_post_init__(self) -> None:
@@ -352,6 +356,7 @@ class Engine:
         self._private_salt_key = secrets.token_hex(16)
         self._num_private_salts = 0
         self._tokenizer_threads = trio.CapacityLimiter(_TOKENIZER_THREADS)
+        self._grammars: GrammarCompiler | None = None
 
     @property
     def core(self):
@@ -412,6 +417,32 @@ class Engine:
         """Wait until every submitted request has completed."""
         await self.scheduler.wait_idle()
 
+    async def prepare_structured_output(self, params: SamplingParams | None) -> None:
+        """Compile the structured output of `params` in a worker thread, unless it is
+        compiled already; a request with these parameters then compiles nothing.
+        Raises StructuredOutputError naming the field ("response_format", "regex" or
+        "grammar") and the grammar library's reason."""
+        structured = None if params is None else params.structured_output
+        if structured is None:
+            return
+        compiler = self._grammars
+        if compiler is None:
+            # The first one reads the whole vocabulary: off the loop as well.
+            compiler = await trio.to_thread.run_sync(self.grammar_compiler, structured,
+                                                     limiter=self._tokenizer_threads)
+        if not compiler.cached(structured):
+            await trio.to_thread.run_sync(compiler.compile, structured, limiter=self._tokenizer_threads)
+
+    def grammar_compiler(self, structured: StructuredOutput) -> GrammarCompiler:
+        """The compiler of this engine's tokenizer (shared with an executor in this process)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise StructuredOutputError(f"{structured.field}: structured output needs a tokenizer; "
+                                            f"this engine has none", structured.field)
+            self._grammars = compiler_for(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                          self.config.grammar_cache_size)
+        return self._grammars
+
     # ---- internals -------------------------------------------------------------
     def _validate(self, submission: tuple) -> SamplingParams:
         prompt, params, priority, tenant, deadline_s, _, timeout_s, cache_salt = submission
@@ -423,6 +454,7 @@ class Engine:
         """Validate a request and build its actor, tokenising a long text prompt and
         compiling a long stop list in a worker thread."""
         params = self._validate(submission)
+        await self.prepare_structured_output(params)
         prompt = submission[0]
         token_ids = stops = None
         if isinstance(prompt, str) and len(prompt) > _OFF_LOOP_PROMPT_CHARS:
@@ -440,6 +472,9 @@ class Engine:
         prompt, _, priority, tenant, deadline_s, request_id, timeout_s, cache_salt = submission
         if params is None:
             params = self._validate(submission)
+            if params.structured_output is not None:
+                # Not prepared off the loop (`enqueue`): compiled here unless cached.
+                self.grammar_compiler(params.structured_output).compile(params.structured_output)
         if token_ids is None:
             token_ids = self._encode(prompt) if isinstance(prompt, str) else list(prompt)
         # max_tokens=None: whatever room max_model_len leaves (at least one, so that a prompt
@@ -495,18 +530,30 @@ def _make_backend(config: EngineConfig, tokenizer: Tokenizer | None) -> Executor
         return kind
     if kind == "simulated":
         if isinstance(tokenizer, ByteTokenizer):
-            return SimulatedExecutor(config.latency, vocab_size=tokenizer.vocab_size,
-                                     eos_token_id=tokenizer.eos_token_id, seed=config.seed,
-                                     sample_ids=_PRINTABLE_IDS)
-        # Another tokenizer: draw from its vocabulary, so every token decodes.
-        vocab_size = getattr(tokenizer, "vocab_size", None) or SIMULATED_VOCAB_SIZE
-        eos_ids = list(getattr(tokenizer, "eos_token_ids", ()) or ())
-        return SimulatedExecutor(config.latency, vocab_size=vocab_size,
-                                 eos_token_id=eos_ids[0] if eos_ids else None, seed=config.seed)
+            backend = SimulatedExecutor(config.latency, vocab_size=tokenizer.vocab_size,
+                                        eos_token_id=tokenizer.eos_token_id, seed=config.seed,
+                                        sample_ids=_PRINTABLE_IDS)
+        else:
+            # Another tokenizer: draw from its vocabulary, so every token decodes.
+            vocab_size = getattr(tokenizer, "vocab_size", None) or SIMULATED_VOCAB_SIZE
+            eos_ids = list(getattr(tokenizer, "eos_token_ids", ()) or ())
+            backend = SimulatedExecutor(config.latency, vocab_size=vocab_size,
+                                        eos_token_id=eos_ids[0] if eos_ids else None, seed=config.seed)
+        if tokenizer is not None and backend.eos_token_id is not None:
+            backend.matcher_factory = _simulated_matchers(tokenizer, backend, config.grammar_cache_size)
+        return backend
     from . import executors  # the real backends pull in the model runner only when chosen
     if kind == "inprocess":
         return executors.InProcessExecutor()
     return executors.ChildProcessExecutor(heartbeat_timeout_s=config.heartbeat_timeout_s)
+
+
+def _simulated_matchers(tokenizer: Tokenizer, backend: SimulatedExecutor, cache_size: int):
+    """The simulated executor's matcher factory: the engine's tokenizer, compiled on first use."""
+    def matcher(structured: StructuredOutput, output_token_ids):
+        compiler = compiler_for(tokenizer, backend.vocab_size, [backend.eos_token_id], cache_size)
+        return compiler.matcher(structured, output_token_ids)
+    return matcher
 
 
 @asynccontextmanager
@@ -522,6 +569,13 @@ async def open_engine(config: EngineConfig | None = None, *,
     with unwrap_sole_error():
         async with _run_engine(config if config is not None else EngineConfig(), on_step) as engine:
             yield engine
+
+
+def _executor_options(config: EngineConfig) -> dict[str, OptionValue]:
+    options = dict(config.executor_options)
+    if config.grammar_cache_size != DEFAULT_GRAMMAR_CACHE_SIZE:
+        options.setdefault("grammar_cache_size", config.grammar_cache_size)
+    return options
 
 
 def _tokenizer_for(config: EngineConfig, model_dir: str) -> Tokenizer | None:
@@ -550,7 +604,7 @@ async def _run_engine(config: EngineConfig, on_step: StepListener | None) -> Asy
         num_blocks=cache.num_blocks, block_size=cache.block_size,
         max_model_len=sched_config.max_model_len,
         max_num_batched_tokens=sched_config.max_num_batched_tokens,
-        seed=config.seed, options=dict(config.executor_options))
+        seed=config.seed, options=_executor_options(config))
     bytes_per_token = None
     if getattr(tokenizer, "max_bytes_per_token", None) is not None:
         bytes_per_token = max_bytes_per_token(tokenizer)

@@ -34,6 +34,7 @@ from cadence.statemachine.plan import StepPlan, StepResult
 from cadence.statemachine.sampling import SamplingParams
 
 from .framing import receive_frame_sync, send_frame_sync
+from .structured import DEFAULT_GRAMMAR_CACHE_SIZE, checkpoint_matchers
 from .messages import (
     ExecuteStep,
     ExecutorFailed,
@@ -307,6 +308,10 @@ def fabricated_prompt_logprobs(token_ids: Sequence[int], num_prompt_tokens: int,
 def build_runner(init: InitExecutor) -> ModelRunnerLike:
     """The default runner factory: the simulated model, or a `cadence.gpu` ModelRunner.
 
+    A runner that takes structured output (`matcher_factory`) gets matchers built
+    from the checkpoint's tokenizer, keeping up to the `grammar_cache_size` option
+    (int) compiled grammars.
+
     A model name that is a preset of cadence.gpu gets random weights from
     `init.seed`; anything else is read as a Hugging Face checkpoint directory.
     Options understood for real models: attention_backend (str), fused_elementwise
@@ -316,6 +321,15 @@ def build_runner(init: InitExecutor) -> ModelRunnerLike:
     its first kernel; see cadence.gpu.threads), and tp (int: shard the model
     across that many local ranks, see `_build_tensor_parallel_runner`).
     """
+    runner = _build_model_runner(init)
+    if hasattr(runner, "matcher_factory"):
+        cache_size = int(init.options.get("grammar_cache_size", DEFAULT_GRAMMAR_CACHE_SIZE))
+        runner.matcher_factory = checkpoint_matchers(init.model, runner.vocab_size, runner.eos_token_ids,
+                                                     cache_size)
+    return runner
+
+
+def _build_model_runner(init: InitExecutor) -> ModelRunnerLike:
     if init.model == SIMULATED_MODEL:
         return DeterministicRunner(init)
     try:

@@ -26,7 +26,7 @@ import msgpack
 
 from cadence.statemachine.errors import InvalidRequestError, ProtocolError
 from cadence.statemachine.plan import NewRequestData, StepPlan, StepResult
-from cadence.statemachine.sampling import SamplingParams
+from cadence.statemachine.sampling import SamplingParams, StructuredOutput
 
 from .fields import (
     check_bool, check_dict, check_float, check_ids, check_int, check_list, check_str, check_strs,
@@ -195,7 +195,20 @@ def _sampling_to_wire(params: SamplingParams) -> dict[str, Any]:
         "stop": params.stop,
         "stop_token_ids": params.stop_token_ids,
         "include_stop_str_in_output": params.include_stop_str_in_output,
+        "structured_output": _structured_to_wire(params.structured_output),
     }
+
+
+def _structured_to_wire(structured: StructuredOutput | None) -> dict[str, str] | None:
+    return None if structured is None else {"kind": structured.kind, "spec": structured.spec}
+
+
+def _structured_from_wire(value: object, path: str) -> dict[str, str] | None:
+    """A {kind, spec} map of strs, or nil; SamplingParams checks the values."""
+    if value is None:
+        return None
+    m = _fields(value, path, frozenset({"kind", "spec"}))
+    return {"kind": _str(m["kind"], f"{path}.kind"), "spec": _str(m["spec"], f"{path}.spec")}
 
 
 def _sampling_from_wire(value: object, path: str) -> SamplingParams:
@@ -212,6 +225,7 @@ def _sampling_from_wire(value: object, path: str) -> SamplingParams:
         "stop_token_ids": _ids(m["stop_token_ids"], f"{path}.stop_token_ids"),
         "include_stop_str_in_output": _bool(
             m["include_stop_str_in_output"], f"{path}.include_stop_str_in_output"),
+        "structured_output": _structured_from_wire(m["structured_output"], f"{path}.structured_output"),
     }
     for name in _SAMPLING_FLOATS:
         fields[name] = _float(m[name], f"{path}.{name}")

@@ -9,6 +9,13 @@ function of (seed, request id, position). The same request therefore gets the
 same tokens however it was batched, preempted or recomputed, which makes the
 expected output of every request known in advance.
 
+A request with structured output draws its token the same way, then, if the
+grammar does not allow it, takes an allowed token chosen by it (still a pure
+function of the request and its history); its matcher is rebuilt from the
+output tokens whenever the request arrives in full, as in the real runner.
+The engine gives the executor its `matcher_factory`; without one, such a
+request fails alone.
+
 A `FaultPlan` makes chosen (or seeded random) execute calls misbehave, so the
 scheduler actor's supervision can be exercised: crash, hang, slow step, and
 answers for an older step (duplicate / stale).
@@ -196,13 +203,14 @@ class _Sequence:
     """One request in the persistent batch."""
 
     __slots__ = ("key", "token_ids", "num_prompt_tokens", "num_computed_tokens", "block_ids",
-                 "logprobs", "prompt_logprobs")
+                 "logprobs", "prompt_logprobs", "matcher")
 
     def __init__(self, key: int, token_ids: list[int], num_prompt_tokens: int,
                  num_computed_tokens: int, block_ids: list[int], logprobs: int | None = None,
-                 prompt_logprobs: int | None = None) -> None:
+                 prompt_logprobs: int | None = None, matcher=None) -> None:
         self.logprobs = logprobs  # alternatives to report per sampled token (None: no logprobs)
         self.prompt_logprobs = prompt_logprobs  # likewise per prompt token
+        self.matcher = matcher  # the structured output's grammar matcher, if it has one
         self.key = key
         self.token_ids = token_ids
         self.num_prompt_tokens = num_prompt_tokens
@@ -220,6 +228,8 @@ class SimulatedExecutor:
     eos_probability: chance that a sampled token is `eos_token_id`.
     token_fn: if given, token_fn(request_id, position) picks every token instead
       (tests script exact outputs with it).
+    matcher_factory: makes the grammar matcher of a request with structured
+      output (see `cadence.gpu.runner.MatcherFactory`); None fails such requests.
     """
 
     def __init__(
@@ -245,6 +255,8 @@ class SimulatedExecutor:
         self.faults = faults
         self.sample_ids = tuple(sample_ids) if sample_ids is not None else None
         self.token_fn = token_fn
+        self.matcher_factory = None
+        self._bitmask = None
         self._eos_threshold = int(eos_probability * (1 << 32))
         self._batch: dict[str, _Sequence] = {}
         self._history: deque[StepOutput] = deque(maxlen=_HISTORY)
@@ -378,13 +390,21 @@ class SimulatedExecutor:
             batch.pop(rid, None)
             dropped.pop(rid, None)
         seed = self.seed
+        failed: dict[str, str] = {}
         for data in plan.new_requests:
             params = sampling.get(data.request_id) if sampling else None
+            matcher = None
+            if params is not None and params.structured_output is not None:
+                matcher, why = self._matcher(params.structured_output, data)
+                if why is not None:
+                    batch.pop(data.request_id, None)
+                    failed[data.request_id] = dropped[data.request_id] = why
+                    continue
             batch[data.request_id] = _Sequence(
                 _request_key(seed, data.request_id), list(data.token_ids), data.num_prompt_tokens,
                 data.num_computed_tokens, list(data.block_ids),
                 params.logprobs if params is not None else None,
-                params.prompt_logprobs if params is not None else None)
+                params.prompt_logprobs if params is not None else None, matcher)
         for rid, block_ids in plan.new_block_ids.items():
             seq = batch.get(rid)
             if seq is None:
@@ -395,10 +415,11 @@ class SimulatedExecutor:
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[list[tuple[int, float]]]] = {}
         prompt_logprobs: dict[str, PromptLogprobs] = {}
-        failed: dict[str, str] = {}
         poisoned = self.faults is not None and bool(self.faults.poison)
         num_prefill = num_decode = 0
         for rid, n in plan.num_scheduled_tokens.items():
+            if rid in failed:
+                continue
             seq = batch.get(rid)
             if poisoned and self._poison_of(rid, seq.token_ids if seq is not None else ()) is Poison.REPORTED:
                 batch.pop(rid, None)
@@ -430,6 +451,8 @@ class SimulatedExecutor:
                     token = _token(seq.key, after, vocab, eos, threshold, ids)
                 else:
                     token = token_fn(rid, after)
+                if seq.matcher is not None:
+                    token = self._follow_grammar(seq.matcher, token)
                 tokens.append(token)
                 sampled[rid] = [token]
                 if seq.logprobs is not None:
@@ -437,6 +460,27 @@ class SimulatedExecutor:
         step_us = self.latency.step_us(num_prefill, num_decode)
         result = StepResult(plan.step_id, sampled, logprobs or None, int(step_us))
         return StepOutput(result, failed, prompt_logprobs), step_us
+
+    def _matcher(self, structured, data) -> tuple[object, str | None]:
+        """A new request's grammar matcher, advanced over its output; or why it has none."""
+        if self.matcher_factory is None:
+            return None, "this executor has no structured-output support"
+        try:
+            return self.matcher_factory(structured, data.token_ids[data.num_prompt_tokens:]), None
+        except Exception as exc:
+            return None, f"structured output: {exc}"
+
+    def _follow_grammar(self, matcher, token: int) -> int:
+        """`token` if the grammar allows it, else an allowed token it picks; taken by the matcher."""
+        if self._bitmask is None:
+            import torch  # the grammar library has loaded it already
+
+            self._bitmask = torch.full((1, -(-self.vocab_size // 32)), -1, dtype=torch.int32)
+        allowed = matcher.allowed(self._bitmask)
+        if token not in allowed:
+            token = allowed[token % len(allowed)]
+        matcher.accept(token)
+        return token
 
     def _protocol_violation(self, message: str) -> None:
         self._alive = False

@@ -32,7 +32,7 @@ from cadence.statemachine.errors import (
     CadenceError, EngineClosedError, ExecutorError, InvalidRequestError, ProtocolError,
     QueueFullError, RequestNotFoundError, RequestTooLongError,
 )
-from cadence.statemachine.sampling import SamplingParams
+from cadence.statemachine.sampling import SamplingParams, StructuredOutput
 
 from .fields import (
     check_bool, check_dict, check_finite_float, check_ids, check_int, check_list, check_str,
@@ -178,7 +178,11 @@ def sampling_to_wire(params: SamplingParams) -> dict[str, Any]:
     for name in _SAMPLING_FIELDS:
         value = getattr(params, name)
         if value != getattr(_DEFAULT_SAMPLING, name):
-            out[name] = list(value) if isinstance(value, tuple) else value
+            if isinstance(value, tuple):
+                value = list(value)
+            elif isinstance(value, StructuredOutput):
+                value = {"kind": value.kind, "spec": value.spec}
+            out[name] = value
     return out
 
 
@@ -200,8 +204,20 @@ def _sampling_values(value: object, path: str) -> dict[str, Any]:
         elif name == "stop":
             # A bare str is one stop string, as in the embedded API.
             fields[name] = item if type(item) is str else _strs(item, where)
+        elif name == "structured_output":
+            fields[name] = _optional(_structured_output, item, where)
         else:
             fields[name] = _int_array(item, where)
+    return fields
+
+
+def _structured_output(value: object, path: str) -> dict[str, str]:
+    """A {kind, spec} map of strs (spec may be left out for json_object); the
+    values are SamplingParams' to check."""
+    m = _fields(value, path, frozenset({"kind"}), frozenset({"spec"}))
+    fields = {"kind": _str(m["kind"], f"{path}.kind", None)}
+    if "spec" in m:
+        fields["spec"] = _str(m["spec"], f"{path}.spec", None)
     return fields
 
 

@@ -307,7 +307,9 @@ def init_sharded_random_weights(model: ShardedCausalLM, seed: int) -> None:
 
 
 def _sampling_to_wire(params: SamplingParams) -> dict[str, Any]:
-    return {f.name: (list(v) if isinstance(v := getattr(params, f.name), tuple) else v)
+    # Tuples as lists, a nested attrs value (structured_output) as its map.
+    return {f.name: (list(v) if isinstance(v := getattr(params, f.name), tuple)
+                     else attrs.asdict(v) if attrs.has(type(v)) else v)
             for f in attrs.fields(SamplingParams)}
 
 
@@ -413,6 +415,10 @@ class TensorParallelRunner(ModelRunner):
         count = torch.tensor([super()._profile_num_blocks(*args)], device=self.group.device)
         dist.all_reduce(count, op=dist.ReduceOp.MIN)
         return int(count.item())
+
+    def _new_matcher(self, state) -> str | None:
+        # Only rank 0 samples; the other ranks take its tokens as they come.
+        return super()._new_matcher(state) if self.rank == 0 else None
 
     def _sample(self, logits, states):
         if self.rank == 0:

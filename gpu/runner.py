@@ -22,14 +22,14 @@ from array import array
 from collections.abc import Sequence as SequenceABC
 from itertools import chain
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import attrs
 import torch
 
 from cadence.statemachine.errors import ConfigError, ExecutorError
 from cadence.statemachine.plan import StepPlan, StepResult
-from cadence.statemachine.sampling import SamplingParams
+from cadence.statemachine.sampling import SamplingParams, StructuredOutput
 
 from .attention import AttentionMetadata, get_attention_backend
 from .config import ModelConfig
@@ -57,6 +57,21 @@ INITIAL_STAGING_BYTES = 1 << 20
 # Prompt positions scored per pass when a request asks for prompt logprobs: bounds
 # the float32 logits and log-softmax temporaries to this many rows of the vocabulary.
 PROMPT_LOGPROBS_ROWS = 256
+
+
+class TokenMatcherLike(Protocol):
+    """One request's position in its structured-output grammar (cadence.actors.structured
+    makes them): the mask of its next token, and each token it takes."""
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into row `row` of an int32 CPU bitmask."""
+
+    def accept(self, token_id: int) -> bool:
+        """Take a sampled token; False if the grammar does not allow it."""
+
+
+# Builds a request's matcher from its structured output and the tokens it has generated.
+MatcherFactory = Callable[[StructuredOutput, Sequence[int]], TokenMatcherLike]
 
 
 class TokenSlice(SequenceABC):
@@ -91,10 +106,12 @@ class CachedRequestState:
     token_ids: prompt plus every token sampled so far.
     block_ids: the request's block table; position p lives in block_ids[p // block_size].
     row: the request's row of the runner's host block table.
-    plain_greedy: greedy with no penalties and no logprobs, so argmax alone samples it.
+    plain_greedy: greedy with no penalties, no logprobs and no structured output,
+      so argmax alone samples it.
     penalised: has a repetition, presence or frequency penalty (the sampler reads its history).
     num_masked_outputs: outputs before which stop tokens are masked (min_tokens, if
       the request has any stop token to mask).
+    matcher: where a request with structured output stands in its grammar.
     """
 
     request_id: str
@@ -107,6 +124,7 @@ class CachedRequestState:
     plain_greedy: bool = False
     penalised: bool = False
     num_masked_outputs: int = 0
+    matcher: Any = None
 
 
 @attrs.define(slots=True)
@@ -232,6 +250,10 @@ class ModelRunner:
       cut decode contexts into length-balanced tiles (`cadence.gpu.worklist`) instead
       of one program per sequence; True for the default `BalanceConfig`. Needs the
       "triton" backend. Off by default until measured on a GPU.
+
+    `matcher_factory` (set by whoever builds the runner; None refuses requests
+    with structured output) makes each such request's grammar matcher; its
+    token mask is applied in the sampler, on the device.
     """
 
     def __init__(
@@ -290,6 +312,7 @@ class ModelRunner:
             # Before any decode graph is captured, so the graphs hold the fused kernels.
             self.model.set_fused_elementwise(True)
         self.sampler = Sampler(model_config.eos_token_ids, seed=seed, device=self.device)
+        self.matcher_factory: MatcherFactory | None = None
         self._requests: dict[str, CachedRequestState] = {}
         self._failed: dict[str, str] = {}
         # Requests it failed and dropped, until a plan names them finished or preempted:
@@ -447,6 +470,10 @@ class ModelRunner:
         by_request: dict[str, int] = {}
         logprobs_by_request: dict[str, list[list[tuple[int, float]]]] = {}
         for state, token, token_logprobs in zip(states, tokens, logprobs):
+            if state.matcher is not None and not state.matcher.accept(token):
+                self._failed[state.request_id] = f"sampled token {token} does not follow its structured output"
+                self._drop(state.request_id)
+                continue
             state.token_ids.append(token)
             by_request[state.request_id] = token
             if token_logprobs is not None:
@@ -617,6 +644,7 @@ class ModelRunner:
         """Tokens (and logprobs, None per row where not asked) for logits [len(states), vocab]."""
         if all(s.plain_greedy and len(s.token_ids) - s.num_prompt_tokens >= s.num_masked_outputs for s in states):
             return logits.argmax(dim=-1).tolist(), [None] * len(states)
+        bitmask = self._token_bitmask(states)
         prompts, outputs = [], []
         for s in states:
             if s.penalised:
@@ -625,8 +653,36 @@ class ModelRunner:
             else:
                 prompts.append(TokenSlice(s.token_ids, 0, s.num_prompt_tokens))
                 outputs.append(TokenSlice(s.token_ids, s.num_prompt_tokens, len(s.token_ids)))
-        out = self.sampler(logits, [s.sampling_params for s in states], prompts, outputs)
+        out = self.sampler(logits, [s.sampling_params for s in states], prompts, outputs, bitmask)
         return out.token_ids, out.logprobs
+
+    def _token_bitmask(self, states: list[CachedRequestState]) -> torch.Tensor | None:
+        """The allowed next tokens of each row (all, for rows without structured output),
+        or None when no row has structured output. Filled on the host; the sampler
+        moves it to the device."""
+        if all(s.matcher is None for s in states):
+            return None
+        bitmask = torch.full((len(states), -(-self.vocab_size // 32)), -1, dtype=torch.int32,
+                             pin_memory=self.device.type == "cuda")
+        for row, state in enumerate(states):
+            if state.matcher is not None:
+                state.matcher.fill_bitmask(bitmask, row)
+        return bitmask
+
+    def _new_matcher(self, state: CachedRequestState) -> str | None:
+        """Give a request with structured output its matcher, advanced over the tokens it
+        has generated (after preemption or a restart it arrives with them); the reason
+        when it cannot have one."""
+        structured = state.sampling_params.structured_output
+        if structured is None:
+            return None
+        if self.matcher_factory is None:
+            return "this executor has no structured-output support"
+        try:
+            state.matcher = self.matcher_factory(structured, state.token_ids[state.num_prompt_tokens:])
+        except Exception as exc:
+            return f"structured output: {exc}"
+        return None
 
     # ---- the persistent batch ----------------------------------------------------
 
@@ -655,6 +711,11 @@ class ModelRunner:
                 continue
             state = self._new_state(new.request_id, list(new.token_ids), new.num_prompt_tokens,
                                     new.num_computed_tokens, params)
+            why = self._new_matcher(state)
+            if why is not None:
+                self._failed[new.request_id] = why
+                self._free_rows.append(state.row)
+                continue
             self._requests[new.request_id] = state
             self._append_blocks(state, new.block_ids)
         for request_id, block_ids in plan.new_block_ids.items():
@@ -678,7 +739,8 @@ class ModelRunner:
         return CachedRequestState(
             request_id, token_ids, num_prompt_tokens, [], num_computed_tokens, params,
             row=self._take_row(),
-            plain_greedy=params.greedy and not penalised and params.logprobs is None,
+            plain_greedy=(params.greedy and not penalised and params.logprobs is None
+                          and params.structured_output is None),
             penalised=penalised,
             num_masked_outputs=params.min_tokens if has_stops else 0,
         )

@@ -1,8 +1,10 @@
 """Pick the next token of every request in one batched pass over the logits.
 
-Order of operations per row, as in Hugging Face generation: stop tokens masked
-while `min_tokens` is not reached, penalties, temperature, top-k, top-p, min-p,
-then a draw. Penalties follow the usual conventions: the repetition penalty
+Order of operations per row, as in Hugging Face generation: the token mask of
+a structured output (a bitmask of the allowed tokens), stop tokens masked while
+`min_tokens` is not reached (unless that would leave a constrained row no
+token: the grammar wins), penalties, temperature, top-k, top-p, min-p, then a
+draw. Penalties follow the usual conventions: the repetition penalty
 covers prompt and output tokens, presence and frequency penalties only output
 tokens.
 
@@ -52,6 +54,18 @@ def _token_table(rows: Sequence[Sequence[int]], vocab_size: int, device) -> torc
     ids = ids.to(device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
     return counts[:, :vocab_size]
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Logits [N, V] with every token not allowed by `bitmask` set to -inf.
+
+    bitmask: int32 [N, ceil(V / 32)] on the logits' device; bit t % 32 of word
+    t // 32 allows token t (a row of all ones, -1, allows everything).
+    """
+    vocab_size = logits.shape[1]
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab_size].bool()
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def apply_penalties(
@@ -118,10 +132,22 @@ class Sampler:
         params: Sequence[SamplingParams],
         prompt_token_ids: Sequence[Sequence[int]],
         output_token_ids: Sequence[Sequence[int]],
+        token_bitmask: torch.Tensor | None = None,
     ) -> SamplerOutput:
-        """Sample from float32 logits [N, V]; row i uses params[i] and its token history."""
+        """Sample from float32 logits [N, V]; row i uses params[i] and its token history.
+
+        token_bitmask: the allowed tokens of each row (see `apply_token_bitmask`), on
+        the CPU or the logits' device; None allows every token.
+        """
         raw = logits
+        if token_bitmask is not None:
+            logits = apply_token_bitmask(logits, token_bitmask.to(logits.device, non_blocking=True))
+            constrained = logits
         logits = self._mask_stop_tokens(logits, params, output_token_ids)
+        if token_bitmask is not None and logits is not constrained:
+            # min_tokens masked the only tokens the grammar allows (its end): the grammar wins.
+            emptied = torch.isneginf(logits).all(dim=-1, keepdim=True)
+            logits = torch.where(emptied, constrained, logits)
         logits = self._penalise(logits, params, prompt_token_ids, output_token_ids)
         tokens = logits.argmax(dim=-1)
         if not all(p.greedy for p in params):

@@ -24,6 +24,16 @@ class RequestTooLongError(InvalidRequestError):
     """The prompt plus `max_tokens` cannot fit in `max_model_len` or in the KV cache."""
 
 
+class StructuredOutputError(InvalidRequestError):
+    """A request's structured output cannot be compiled (a bad JSON schema, regular
+    expression or grammar); `field` names the request field that holds it
+    ("response_format", "regex" or "grammar")."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class QueueFullError(CadenceError):
     """The waiting queue already holds `max_waiting` requests."""
 
@@ -89,6 +99,7 @@ __all__ = [
     "ConfigError",
     "InvalidRequestError",
     "RequestTooLongError",
+    "StructuredOutputError",
     "QueueFullError",
     "RequestNotFoundError",
     "DuplicateRequestError",

@@ -10,9 +10,11 @@ PROTOCOL.md §3.1 prints it for client authors.
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 import operator
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -21,7 +23,8 @@ from .errors import InvalidRequestError
 from .request import SamplingLimits
 
 __all__ = [
-    "SamplingParams", "SAMPLING_RANGES", "MAX_LOGPROBS", "MIN_TEMPERATURE",
+    "SamplingParams", "StructuredOutput", "STRUCTURED_OUTPUT_KINDS", "MAX_STRUCTURED_OUTPUT_CHARS",
+    "SAMPLING_RANGES", "MAX_LOGPROBS", "MIN_TEMPERATURE",
     "MIN_REPETITION_PENALTY", "MAX_REPETITION_PENALTY", "MAX_PENALTY", "MAX_INT64", "MIN_SEED", "MAX_SEED",
 ]
 
@@ -43,6 +46,14 @@ MIN_REPETITION_PENALTY = 1e-2
 MAX_REPETITION_PENALTY = 100.0
 # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY].
 MAX_PENALTY = 2.0
+
+
+# What a structured output may constrain the text to: any JSON object, JSON valid
+# against a schema, a regular expression, or an EBNF grammar (with a `root` rule).
+STRUCTURED_OUTPUT_KINDS = ("json_object", "json_schema", "regex", "grammar")
+# Longest schema, expression or grammar a request may carry (characters): far more
+# than a real schema needs, and small enough that compiling it stays cheap.
+MAX_STRUCTURED_OUTPUT_CHARS = 65536
 
 
 def _refuse(field: str, limit: str, value: object) -> InvalidRequestError:
@@ -140,6 +151,68 @@ def _as_tuple(field: str, value: object) -> tuple:
 
 
 @attrs.frozen
+class StructuredOutput:
+    """A constraint on the generated text, enforced token by token by a mask on the logits.
+
+    kind: "json_object" (any JSON object; `spec` empty), "json_schema" (`spec` is
+    the schema as JSON text), "regex" (`spec` is a regular expression the whole
+    output matches) or "grammar" (`spec` is an EBNF grammar whose start rule is
+    `root`). Once the text is complete, only end-of-sequence may follow, so the
+    request ends with finish_reason "stop". The field that carries it in a request
+    (`field`) names it in errors: "response_format" for JSON, else the kind.
+    """
+
+    kind: str
+    spec: str = ""
+
+    def __attrs_post_init__(self) -> None:
+        if self.kind not in STRUCTURED_OUTPUT_KINDS:
+            raise _refuse("structured_output.kind", f"one of {', '.join(STRUCTURED_OUTPUT_KINDS)}", self.kind)
+        if type(self.spec) is not str:
+            raise _refuse(self.field, "a str", self.spec)
+        if self.kind == "json_object":
+            if self.spec:
+                raise _refuse(self.field, "empty for json_object (any JSON object)", self.spec[:80])
+        elif not self.spec:
+            raise _refuse(self.field, f"a non-empty {self.kind.replace('_', ' ')}", self.spec)
+        if len(self.spec) > MAX_STRUCTURED_OUTPUT_CHARS:
+            raise InvalidRequestError(f"{self.field} holds {len(self.spec)} characters; the limit is "
+                                      f"{MAX_STRUCTURED_OUTPUT_CHARS}")
+
+    @property
+    def field(self) -> str:
+        """The request field that holds this constraint: "response_format", "regex" or "grammar"."""
+        return "response_format" if self.kind.startswith("json") else self.kind
+
+    @classmethod
+    def json_schema(cls, schema: Mapping | str) -> StructuredOutput:
+        """JSON valid against `schema` (a dict, or its JSON text), kept in one compact
+        spelling so equal schemas share one compiled grammar (the order of keys is
+        kept: it is the order of the output's properties)."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise InvalidRequestError(f"response_format: the schema is not JSON: {exc}") from None
+        if not isinstance(schema, Mapping):
+            raise _refuse("response_format", "a JSON schema object", schema)
+        try:
+            text = json.dumps(schema, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(f"response_format: the schema is not JSON: {exc}") from None
+        return cls("json_schema", text)
+
+
+def _structured_output(value: object) -> StructuredOutput | None:
+    # A map {"kind": ..., "spec": ...} (the wire form) is taken as the class.
+    if value is None or isinstance(value, StructuredOutput):
+        return value
+    if isinstance(value, Mapping) and set(value) <= {"kind", "spec"} and "kind" in value:
+        return StructuredOutput(**value)
+    raise _refuse("structured_output", "a StructuredOutput, a {kind, spec} map or None", value)
+
+
+@attrs.frozen
 class SamplingParams:
     """How to pick each next token, and when to stop.
 
@@ -150,7 +223,10 @@ class SamplingParams:
     asks for the same of every prompt token after the first (such a request
     computes its whole prompt: it reads nothing from the prefix cache). `stop` strings are
     matched on detokenised text by the request actor; a bare string is one stop
-    string. Every field is checked on construction (`SAMPLING_RANGES`).
+    string. `structured_output` constrains the text to JSON, a regular expression
+    or a grammar (`StructuredOutput`); it cannot be combined with `ignore_eos`,
+    since a complete output can only end. Every field is checked on
+    construction (`SAMPLING_RANGES`).
     `max_tokens=None` means up to the engine's max_model_len (the engine fills it
     in per request, with `bounded`).
     """
@@ -171,6 +247,7 @@ class SamplingParams:
     stop: tuple[str, ...] = attrs.field(default=(), converter=_stop_strings)
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_stop_token_ids)
     include_stop_str_in_output: bool = False
+    structured_output: StructuredOutput | None = attrs.field(default=None, converter=_structured_output)
 
     def __attrs_post_init__(self) -> None:
         for field, is_float, optional, low, high, text in _RANGES:
@@ -192,6 +269,9 @@ class SamplingParams:
         for field in ("ignore_eos", "include_stop_str_in_output"):
             if type(getattr(self, field)) is not bool:
                 raise _refuse(field, "a bool", getattr(self, field))
+        if self.structured_output is not None and self.ignore_eos:
+            raise InvalidRequestError(f"ignore_eos cannot be combined with {self.structured_output.field}: "
+                                      f"a complete structured output can only end")
 
     @property
     def greedy(self) -> bool:

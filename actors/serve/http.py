@@ -449,6 +449,8 @@ class HttpServer:
         prompt's first sample: see `_follow`); a refusal becomes the response's error."""
         leaders = [c for c in choices if c.leader is None]
         try:
+            # Every choice shares the one grammar: compiled (off the loop) before any is queued.
+            await self.engine.prepare_structured_output(request.params)
             for choice in leaders:
                 choice.stream.enqueue()
             for choice in leaders:
@@ -609,8 +611,8 @@ def _event(body: dict) -> bytes:
 def _api_error(exc: CadenceError, draining: bool) -> ApiError:
     """An engine error as an HTTP error, classified as the msgpack server classifies it."""
     code = _engine_error_code(exc, draining)
-    return ApiError(status_of(code), str(exc), code=code.value,
-                    param="prompt" if code is ErrorCode.REQUEST_TOO_LONG else None)
+    param = "prompt" if code is ErrorCode.REQUEST_TOO_LONG else getattr(exc, "field", None)
+    return ApiError(status_of(code), str(exc), code=code.value, param=param)
 
 
 def _raise_first_error(choices: list[Choice], draining: bool) -> None:

@@ -20,7 +20,7 @@ import attrs
 import trio
 
 from cadence.statemachine.errors import InvalidRequestError, ProtocolError
-from cadence.statemachine.sampling import SamplingParams
+from cadence.statemachine.sampling import SamplingParams, StructuredOutput
 
 from ..engine import Engine, RequestStream
 from ..fields import (
@@ -56,12 +56,13 @@ _SAMPLING_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "freque
 _COMMON_FIELDS = frozenset({
     "model", "stream", "stream_options", "max_tokens", "n", "stop", "seed", "logprobs", "user",
     "top_k", "priority", "tenant", "deadline_s", "min_tokens", "ignore_eos", "stop_token_ids",
-    "include_stop_str_in_output", "best_of", "return_token_ids", *_SAMPLING_FLOATS})
+    "include_stop_str_in_output", "best_of", "return_token_ids", "response_format", "regex", "grammar",
+    *_SAMPLING_FLOATS})
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs",
                                  "add_generation_prompt", "chat_template_kwargs"}
 # OpenAI fields Cadence does not implement: named in the 400 rather than ignored.
-_UNSUPPORTED = frozenset({"suffix", "logit_bias", "response_format", "tools", "tool_choice",
+_UNSUPPORTED = frozenset({"suffix", "logit_bias", "tools", "tool_choice",
                           "functions", "function_call", "parallel_tool_calls", "service_tier",
                           "store", "modalities", "audio", "prediction", "reasoning_effort"})
 
@@ -248,6 +249,7 @@ def _sampling_params(body: dict, chat: bool, prompts: list, logprobs: int | None
         if value is not None:
             fields[name] = value
     fields["logprobs"] = logprobs
+    fields["structured_output"] = _structured_output(body)
     try:
         return SamplingParams(**fields)
     except InvalidRequestError as exc:
@@ -255,6 +257,40 @@ def _sampling_params(body: dict, chat: bool, prompts: list, logprobs: int | None
         if name == "logprobs" and chat:
             name = "top_logprobs"
         raise ApiError(400, str(exc), param=name if name in body or name == "max_tokens" else None) from None
+
+
+def _structured_output(body: dict) -> StructuredOutput | None:
+    """OpenAI's `response_format` ({"type": "text" | "json_object" | "json_schema"}), or
+    Cadence's `regex` / `grammar` (a string each): at most one of them."""
+    given = [name for name in ("response_format", "regex", "grammar") if body.get(name) is not None]
+    if len(given) > 1:
+        raise ApiError(400, f"only one of response_format, regex and grammar may be given, got "
+                            f"{' and '.join(given)}", param=given[1])
+    if not given:
+        return None
+    name = given[0]
+    try:
+        if name != "response_format":
+            return StructuredOutput(name, check_str(body[name], name))
+        return _response_format(check_dict(body[name], name))
+    except (ProtocolError, InvalidRequestError) as exc:
+        raise ApiError(400, str(exc), param=name) from None
+
+
+def _response_format(value: dict) -> StructuredOutput | None:
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind != "json_schema":
+        raise InvalidRequestError(f"response_format.type must be text, json_object or json_schema, "
+                                  f"got {kind!r}")
+    inner = check_dict(value.get("json_schema"), "response_format.json_schema")
+    schema = inner.get("schema")
+    if schema is None:
+        raise InvalidRequestError("response_format.json_schema.schema is missing")
+    return StructuredOutput.json_schema(check_dict(schema, "response_format.json_schema.schema"))
 
 
 # ---------------------------------------------------------------------------
