@@ -525,23 +525,27 @@ def _fit_model_len(sched_config: SchedulerConfig, model_len: int) -> SchedulerCo
 
 
 def _make_backend(config: EngineConfig, tokenizer: Tokenizer | None) -> ExecutorBackend:
+    backend = _backend_of(config, tokenizer)
+    if (isinstance(backend, SimulatedExecutor) and backend.matcher_factory is None
+            and tokenizer is not None and backend.eos_token_id is not None):
+        backend.matcher_factory = _simulated_matchers(tokenizer, backend, config.grammar_cache_size)
+    return backend
+
+
+def _backend_of(config: EngineConfig, tokenizer: Tokenizer | None) -> ExecutorBackend:
     kind = config.executor
     if not isinstance(kind, str):
         return kind
     if kind == "simulated":
         if isinstance(tokenizer, ByteTokenizer):
-            backend = SimulatedExecutor(config.latency, vocab_size=tokenizer.vocab_size,
-                                        eos_token_id=tokenizer.eos_token_id, seed=config.seed,
-                                        sample_ids=_PRINTABLE_IDS)
-        else:
-            # Another tokenizer: draw from its vocabulary, so every token decodes.
-            vocab_size = getattr(tokenizer, "vocab_size", None) or SIMULATED_VOCAB_SIZE
-            eos_ids = list(getattr(tokenizer, "eos_token_ids", ()) or ())
-            backend = SimulatedExecutor(config.latency, vocab_size=vocab_size,
-                                        eos_token_id=eos_ids[0] if eos_ids else None, seed=config.seed)
-        if tokenizer is not None and backend.eos_token_id is not None:
-            backend.matcher_factory = _simulated_matchers(tokenizer, backend, config.grammar_cache_size)
-        return backend
+            return SimulatedExecutor(config.latency, vocab_size=tokenizer.vocab_size,
+                                     eos_token_id=tokenizer.eos_token_id, seed=config.seed,
+                                     sample_ids=_PRINTABLE_IDS)
+        # Another tokenizer: draw from its vocabulary, so every token decodes.
+        vocab_size = getattr(tokenizer, "vocab_size", None) or SIMULATED_VOCAB_SIZE
+        eos_ids = list(getattr(tokenizer, "eos_token_ids", ()) or ())
+        return SimulatedExecutor(config.latency, vocab_size=vocab_size,
+                                 eos_token_id=eos_ids[0] if eos_ids else None, seed=config.seed)
     from . import executors  # the real backends pull in the model runner only when chosen
     if kind == "inprocess":
         return executors.InProcessExecutor()

@@ -39,6 +39,8 @@ DEFAULT_GRAMMAR_CACHE_SIZE = 128
 COMPILE_THREADS = 2
 # The library prefixes its messages with a time and a source location.
 _LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+# What json_object asks for (OpenAI's meaning): an object, whatever its members.
+_ANY_OBJECT = '{"type": "object"}'
 _WHAT = {"json_object": "JSON", "json_schema": "JSON schema", "regex": "regular expression",
          "grammar": "grammar"}
 
@@ -223,11 +225,10 @@ class GrammarCompiler:
     def _compile(compiler, structured: StructuredOutput):
         kind, spec = structured.kind, structured.spec
         try:
-            if kind == "json_object":
-                return compiler.compile_builtin_json_grammar()
-            if kind == "json_schema":
+            if kind != "regex" and kind != "grammar":
                 # No free whitespace: a model could otherwise emit blanks until max_tokens.
-                return compiler.compile_json_schema(spec, any_whitespace=False)
+                schema = spec if kind == "json_schema" else _ANY_OBJECT
+                return compiler.compile_json_schema(schema, any_whitespace=False)
             if kind == "regex":
                 return compiler.compile_regex(spec)
             return compiler.compile_grammar(spec)

@@ -1,0 +1,114 @@
+"""Structured output through the doors: the official `openai` client's `response_format`
+against a live server on the demo model (sampled outputs parse and validate), Cadence's
+`regex` extension, and a bad spec refused as a 400 naming its field or as a msgpack
+error frame, while the server goes on serving.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from cadence.actors.client import Client
+from cadence.actors.engine import EngineConfig, demo_model_dir
+from cadence.actors.serve.http import HttpConfig
+from cadence.actors.serve.server import ServerConfig, ServerThread
+from cadence.actors.wire import RemoteInvalidRequestError
+from cadence.statemachine.sampling import SamplingParams, StructuredOutput
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("xgrammar")
+
+API_KEY = "test-key"
+WAIT_S = 120.0
+NUM_SAMPLES = 20
+# Booleans, bounded integers, enums and a short string: a random tiny model can only
+# finish it, within max_tokens, if every mask is applied right.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "admin": {"type": "boolean"},
+        "role": {"enum": ["reader", "writer", "owner"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+    },
+    "required": ["name", "age", "admin", "role", "tags"],
+    "additionalProperties": False,
+}
+MAX_TOKENS = 120
+
+
+@pytest.fixture(scope="module")
+def served():
+    engine = EngineConfig.from_kwargs(executor="inprocess", model=demo_model_dir(), max_model_len=512,
+                                      num_blocks=256, block_size=16, max_num_seqs=32)
+    http = HttpConfig(port=0, api_key=API_KEY, served_model_name="demo")
+    with ServerThread(engine, ServerConfig(port=0), http=http) as thread:
+        yield thread
+
+
+@pytest.fixture
+def client(served):
+    host, port = served.server.http.address
+    with openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key=API_KEY, max_retries=0,
+                       timeout=WAIT_S) as client:
+        yield client
+
+
+def test_sampled_chat_completions_under_a_json_schema_parse_and_validate(client):
+    response = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "Describe a user."}], n=NUM_SAMPLES,
+        temperature=1.0, max_tokens=MAX_TOKENS,
+        response_format={"type": "json_schema", "json_schema": {"name": "user", "schema": SCHEMA}})
+    assert len(response.choices) == NUM_SAMPLES
+    for choice in response.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    assert len({choice.message.content for choice in response.choices}) > 1  # sampled, not one answer
+
+
+def test_a_streamed_json_object_is_an_object(client):
+    stream = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "Some data."}], temperature=0.0,
+        max_tokens=MAX_TOKENS, stream=True, response_format={"type": "json_object"})
+    chunks = [chunk for chunk in stream if chunk.choices]
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(text), dict)  # an object, not any JSON value
+
+
+def test_the_regex_extension(client):
+    pattern = r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]"
+    response = client.completions.create(model="demo", prompt="date = ", n=4, temperature=1.0,
+                                         max_tokens=32, extra_body={"regex": pattern})
+    for choice in response.choices:
+        assert choice.finish_reason == "stop" and re.fullmatch(pattern, choice.text), choice.text
+
+
+@pytest.mark.parametrize("body, param, reason", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+     "response_format", 'Unsupported type "objectx"'),
+    ({"regex": "(["}, "regex", "Unclosed '['"),
+    ({"grammar": "root ::= missing"}, "grammar", 'Rule "missing" is not defined'),
+    ({"response_format": {"type": "yaml"}}, "response_format", "must be text, json_object or json_schema"),
+    ({"regex": "a", "grammar": "root ::= \"a\""}, "grammar", "only one of"),
+])
+def test_a_bad_spec_is_a_400_naming_its_field(client, body, param, reason):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="demo", prompt="x", max_tokens=4, extra_body=body)
+    error = caught.value.body
+    assert caught.value.status_code == 400 and error["param"] == param and reason in error["message"]
+    assert client.completions.create(model="demo", prompt="x", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_over_msgpack_a_bad_spec_is_an_error_frame_and_a_good_one_is_followed(served):
+    with Client.connect(served.server.tcp_address) as msgpack_client:
+        with pytest.raises(RemoteInvalidRequestError, match="^regex: invalid regular expression"):
+            msgpack_client.complete("x", SamplingParams(structured_output=StructuredOutput("regex", "(")))
+        structured = StructuredOutput("regex", "[a-c]{4}")
+        done = msgpack_client.complete("x", SamplingParams(max_tokens=8, structured_output=structured))
+        assert done.finish_reason == "stop" and re.fullmatch("[a-c]{4}", done.text)
