@@ -17,13 +17,12 @@ from cadence.actors.serve.http import HttpConfig
 from cadence.actors.serve.server import ServerConfig, ServerThread
 from cadence.actors.wire import RemoteInvalidRequestError
 from cadence.statemachine.sampling import SamplingParams, StructuredOutput
+from test_http import API_KEY, client  # noqa: F401  (the openai client of this module's server)
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
 
-API_KEY = "test-key"
-WAIT_S = 120.0
 NUM_SAMPLES = 20
 # Booleans, bounded integers, enums and a short string: a random tiny model can only
 # finish it, within max_tokens, if every mask is applied right.
@@ -49,14 +48,6 @@ def served():
     http = HttpConfig(port=0, api_key=API_KEY, served_model_name="demo")
     with ServerThread(engine, ServerConfig(port=0), http=http) as thread:
         yield thread
-
-
-@pytest.fixture
-def client(served):
-    host, port = served.server.http.address
-    with openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key=API_KEY, max_retries=0,
-                       timeout=WAIT_S) as client:
-        yield client
 
 
 def test_sampled_chat_completions_under_a_json_schema_parse_and_validate(client):
@@ -112,3 +103,21 @@ def test_over_msgpack_a_bad_spec_is_an_error_frame_and_a_good_one_is_followed(se
         structured = StructuredOutput("regex", "[a-c]{4}")
         done = msgpack_client.complete("x", SamplingParams(max_tokens=8, structured_output=structured))
         assert done.finish_reason == "stop" and re.fullmatch("[a-c]{4}", done.text)
+
+
+async def test_a_server_on_the_simulated_executor_follows_the_grammar_too():
+    """Server tests on the simulator can use structured output: its byte tokens follow the mask."""
+    from cadence.actors.client import open_client
+    from cadence.actors.serve.server import open_server
+    from test_server_support import engine_config, server_config
+
+    pattern = r"\{\"id\": [0-9]{1,3}, \"ok\": (true|false)\}"
+    schema = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                                               "ok": {"type": "boolean"}},
+              "required": ["id", "ok"], "additionalProperties": False}
+    async with open_server(engine_config(), server_config()) as server:
+        async with open_client(server.tcp_address) as msgpack_client:
+            for i in range(4):
+                params = SamplingParams(max_tokens=64, structured_output=StructuredOutput.json_schema(schema))
+                done = await msgpack_client.complete(f"request {i}", params)
+                assert done.finish_reason == "stop" and re.fullmatch(pattern, done.text), done.text
