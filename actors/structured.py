@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 from cadence.statemachine.errors import StructuredOutputError
 from cadence.statemachine.sampling import StructuredOutput
 
-__all__ = ["GrammarCompiler", "TokenMatcher", "compiler_for", "checkpoint_matchers",
+__all__ = ["GrammarCompiler", "TokenMatcher", "compiler_for", "checkpoint_matchers", "total_compiles",
            "DEFAULT_GRAMMAR_CACHE_SIZE", "LIBRARY"]
 
 LIBRARY = "xgrammar"
@@ -252,6 +252,13 @@ def compiler_for(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
         if compiler is None:
             compiler = _compilers[key] = GrammarCompiler(tokenizer, vocab_size, eos, cache_size)
         return compiler
+
+
+def total_compiles() -> int:
+    """Compilations so far by every compiler of this process (the door's and an
+    in-process executor's alike)."""
+    with _compilers_lock:
+        return sum(compiler.num_compiles for compiler in _compilers.values())
 
 
 def checkpoint_matchers(model_dir: str | Path, vocab_size: int, eos_token_ids: Sequence[int],

@@ -5,9 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
-# Libraries only a real model needs (torch and what it drags in), the servers' metrics and the
-# tokenizer: none of them may load before a command asks for a model.
-HEAVY = ("torch", "triton", "transformers", "tokenizers", "safetensors", "numpy", "prometheus_client")
+# Libraries only a real model needs (torch and what it drags in), the servers' metrics, the
+# tokenizer and the structured-output grammar library: none of them may load before a
+# command asks for a model (or a request for structured output).
+HEAVY = ("torch", "triton", "transformers", "tokenizers", "safetensors", "numpy", "prometheus_client",
+         "xgrammar")
 
 
 def modules_after(code: str) -> set[str]:
