@@ -471,7 +471,9 @@ class ModelRunner:
         logprobs_by_request: dict[str, list[list[tuple[int, float]]]] = {}
         for state, token, token_logprobs in zip(states, tokens, logprobs):
             if state.matcher is not None and not state.matcher.accept(token):
-                self._failed[state.request_id] = f"sampled token {token} does not follow its structured output"
+                self._failed[state.request_id] = self._dropped[state.request_id] = (
+                    f"sampled token {token} does not follow its structured output")
+                self._prompt_logprobs.pop(state.request_id, None)
                 self._drop(state.request_id)
                 continue
             state.token_ids.append(token)
@@ -713,7 +715,7 @@ class ModelRunner:
                                     new.num_computed_tokens, params)
             why = self._new_matcher(state)
             if why is not None:
-                self._failed[new.request_id] = why
+                self._failed[new.request_id] = dropped[new.request_id] = why
                 self._free_rows.append(state.row)
                 continue
             self._requests[new.request_id] = state
