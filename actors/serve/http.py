@@ -32,11 +32,11 @@ import attrs
 import h11
 import trio
 
-from cadence.statemachine.errors import CadenceError, ConfigError, EngineClosedError
+from cadence.statemachine.errors import CadenceError, ConfigError, EngineClosedError, PoisonRequestError
 
 from ..wire import ErrorCode
 from .openai_api import (
-    ApiError, ApiRequest, Choice, ChunkEncoder, completion_body, parse_request,
+    POISON_STATUS, ApiError, ApiRequest, Choice, ChunkEncoder, completion_body, parse_request,
     status_of, usage_of,
 )
 from .server import Server, _engine_error_code, _StreamState, read_secret_file, tokens_match
@@ -60,6 +60,8 @@ _WATCHDOG_CHECKS = 4
 _JSON = [(b"content-type", b"application/json")]
 _EVENT_STREAM = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 _GENERATION_PATHS = {"/v1/completions": False, "/v1/chat/completions": True}
+# Health statuses of a server that takes no requests (GET /health answers 503).
+_NOT_SERVING = frozenset({"draining", "closed"})
 
 
 def _port(instance, attribute, value) -> None:
@@ -361,7 +363,9 @@ class HttpServer:
         body = {"status": reply.status, "num_running": reply.num_running,
                 "num_waiting": reply.num_waiting, "kv_usage": reply.kv_usage,
                 "num_connections": reply.num_connections + len(self.exchanges)}
-        await exchange.send_json(200 if reply.status == "ok" else 503, body)
+        # As the msgpack Health: "degraded" still takes requests (they wait for the
+        # restart), so only a server that takes none answers 503.
+        await exchange.send_json(503 if reply.status in _NOT_SERVING else 200, body)
 
     async def _metrics(self, exchange: _Exchange) -> None:
         exposition = getattr(self.server.metrics, "exposition", None)
@@ -609,8 +613,11 @@ def _event(body: dict) -> bytes:
 
 
 def _api_error(exc: CadenceError, draining: bool) -> ApiError:
-    """An engine error as an HTTP error, classified as the msgpack server classifies it."""
+    """An engine error as an HTTP error, classified as the msgpack server classifies it
+    (a poison keeps the msgpack code and carries the flag, see ApiError)."""
     code = _engine_error_code(exc, draining)
+    if isinstance(exc, PoisonRequestError):
+        return ApiError(POISON_STATUS, str(exc), code=code.value, poison=True)
     param = "prompt" if code is ErrorCode.REQUEST_TOO_LONG else getattr(exc, "field", None)
     return ApiError(status_of(code), str(exc), code=code.value, param=param)
 

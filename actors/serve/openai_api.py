@@ -45,6 +45,10 @@ MAX_TOP_LOGPROBS = 20
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                 405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
                 500: "server_error", 503: "service_unavailable"}
+# The error type of a request failed as a poison (see ApiError).
+POISON_ERROR_TYPE = "poison_request_error"
+# Its status: the request is at fault, and a 4xx is not retried by clients.
+POISON_STATUS = 400
 _STATUS_OF_CODE = {
     ErrorCode.INVALID_REQUEST: 400, ErrorCode.REQUEST_TOO_LONG: 400, ErrorCode.QUEUE_FULL: 429,
     ErrorCode.TENANT_LIMIT: 429, ErrorCode.TOO_MANY_REQUESTS: 429, ErrorCode.SHUTDOWN: 503,
@@ -68,17 +72,28 @@ _UNSUPPORTED = frozenset({"suffix", "logit_bias", "tools", "tool_choice",
 
 
 class ApiError(Exception):
-    """A request answered with an error status, in OpenAI's error shape."""
+    """A request answered with an error status, in OpenAI's error shape.
+
+    poison: the engine found the request itself to be what makes its executor
+    fail (the msgpack Error's `poison` flag): the body says so with its own
+    `type` and `"poison": true`, and the status is a 4xx so that clients (the
+    OpenAI SDKs retry 5xx answers) do not send it again.
+    """
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, poison: bool = False) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.poison = poison
 
     def body(self) -> dict:
         """The JSON error object."""
-        return {"error": {"message": self.message, "type": _ERROR_TYPES.get(self.status, "error"),
-                          "param": self.param, "code": self.code}}
+        error = {"message": self.message,
+                 "type": POISON_ERROR_TYPE if self.poison else _ERROR_TYPES.get(self.status, "error"),
+                 "param": self.param, "code": self.code}
+        if self.poison:
+            error["poison"] = True
+        return {"error": error}
 
 
 def status_of(code: ErrorCode) -> int:

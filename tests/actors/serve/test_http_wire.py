@@ -12,10 +12,14 @@ import trio
 
 from cadence.actors.client import open_client
 from cadence.actors.serve.http import HttpConfig
-from cadence.actors.serve.openai_api import MAX_CHOICES
+from cadence.actors.serve.openai_api import MAX_CHOICES, POISON_ERROR_TYPE, POISON_STATUS
 from cadence.actors.serve.server import open_server
+from cadence.actors.simulated import Fault, FaultPlan, Poison, SimulatedExecutor
 
-from test_server_support import SLOW_STEP, WAIT_S, engine_config, server_config, settled
+from test_server_support import SLOW_STEP, WAIT_S, engine_config, server_config, settled, wait_until
+
+# A prompt token that marks the poison request of the simulated executor's fault plan.
+_MARK = 1
 
 
 class _HttpClient:
@@ -158,6 +162,50 @@ async def test_draining_answers_503_and_health_says_so():
             assert status == 503 and json.loads(body)["error"]["code"] == "shutdown"
             await stream.abort()
         await client.stream.aclose()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_poison_request_answers_with_the_poison_flag_as_msgpack_does(stream):
+    """The msgpack Error's `poison` flag has its HTTP twin: a 4xx (not retried by
+    SDKs) whose error object has its own type, the same code and `poison: true`."""
+    executor = SimulatedExecutor(engine_config().latency, vocab_size=257, eos_token_id=256,
+                                 sample_ids=range(32, 127),
+                                 faults=FaultPlan(poison={_MARK: Poison.REPORTED}))
+    config = engine_config(executor=executor, restart_backoff_s=0.01)
+    async with open_server(config, server_config(), http=HttpConfig(port=0)) as server:
+        client = await _connect(server)
+        status, body = await client.request(
+            "POST", "/v1/completions", {"prompt": [_MARK, 72, 105], "max_tokens": 4, "stream": stream})
+        if stream:
+            assert status == 200  # the headers went before the failure
+            error = next(e for e in _events(body) if e is not None and "error" in e)["error"]
+        else:
+            assert status == POISON_STATUS
+            error = json.loads(body)["error"]
+        assert error["poison"] is True and error["type"] == POISON_ERROR_TYPE
+        assert error["code"] == "executor_error"
+        status, body = await client.request("POST", "/v1/completions", {"prompt": [72], "max_tokens": 2})
+        error = json.loads(body).get("error")
+        assert status == 200 and error is None
+        status, body = await client.request("POST", "/v1/completions", {"prompt": [1] * 9000})
+        assert "poison" not in json.loads(body)["error"]  # only a poison carries the flag
+        await client.stream.aclose()
+        await settled(server)
+
+
+async def test_health_answers_200_while_degraded_as_the_engine_still_takes_requests():
+    executor = SimulatedExecutor(engine_config().latency, vocab_size=257, eos_token_id=256,
+                                 faults=FaultPlan(at={0: Fault.CRASH}))
+    config = engine_config(executor=executor, restart_backoff_s=3600.0)
+    async with open_server(config, server_config(), http=HttpConfig(port=0)) as server:
+        async with open_client(server.tcp_address) as msgpack_client:
+            await msgpack_client.generate([1, 2], max_tokens=2)
+            await wait_until(lambda: server.engine.scheduler.num_failures == 1, what="the crash")
+            client = await _connect(server)
+            status, body = await client.request("GET", "/health")
+            assert (await msgpack_client.health()).status == "degraded"
+            assert status == 200 and json.loads(body)["status"] == "degraded"
+            await client.stream.aclose()
 
 
 @pytest.mark.parametrize("stream", [False, True])
