@@ -26,7 +26,7 @@ import attrs
 from cadence.statemachine.errors import ConfigError, InvalidRequestError
 
 __all__ = ["CHAT_TEMPLATE_FILE", "ChatTemplate", "ChatTemplateError", "EngineChat", "check_messages",
-           "encode_rendered"]
+           "encode_rendered", "text_size"]
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -109,6 +109,27 @@ def check_messages(messages: object, path: str = "messages") -> list[dict]:
         if content is not None and not isinstance(content, (str, list)):
             raise InvalidRequestError(f"{path}[{index}].content must be a string or a list of parts")
     return messages  # type: ignore[return-value]
+
+
+def text_size(value: object) -> int:
+    """Characters of every string in a conversation (or any JSON-like value), plus
+    one per other item: a cheap, linear measure of what rendering it will cost,
+    whatever fields the template reads. Iterative, so deep nesting cannot overflow."""
+    total, pending = 0, [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, Mapping):
+            total += len(item)
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            total += len(item)
+            pending.extend(item)
+        else:
+            total += 1
+    return total
 
 
 @attrs.frozen

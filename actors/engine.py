@@ -49,7 +49,7 @@ from .validation import (
 from .unwrap import unwrap_sole_error
 
 __all__ = ["EngineConfig", "Engine", "RequestStream", "open_engine", "EXECUTOR_KINDS",
-           "DEMO_MODEL", "demo_model_dir", "resolve_model"]
+           "DEMO_MODEL", "demo_model_dir", "resolve_model", "OFF_LOOP_PROMPT_CHARS"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ SIMULATED_VOCAB_SIZE = 32000
 # Text prompts longer than this (characters), and stop lists longer than this in all,
 # are tokenised / compiled in a worker thread rather than on the event loop; below
 # it the thread hand-off costs more than the work.
-_OFF_LOOP_PROMPT_CHARS = 8192
+OFF_LOOP_PROMPT_CHARS = 8192
 _OFF_LOOP_STOP_CHARS = 2048
 # Worker threads tokenising at once, so large prompts queue rather than crowd the loop.
 _TOKENIZER_THREADS = 2
@@ -457,7 +457,7 @@ class Engine:
         await self.prepare_structured_output(params)
         prompt = submission[0]
         token_ids = stops = None
-        if isinstance(prompt, str) and len(prompt) > _OFF_LOOP_PROMPT_CHARS:
+        if isinstance(prompt, str) and len(prompt) > OFF_LOOP_PROMPT_CHARS:
             token_ids = await trio.to_thread.run_sync(
                 self._encode, prompt, limiter=self._tokenizer_threads)
         if sum(map(len, params.stop)) > _OFF_LOOP_STOP_CHARS:

@@ -33,12 +33,14 @@ import socket
 import stat
 from collections import deque
 from contextlib import contextmanager
+from functools import partial
 
 import attrs
 import trio
 
 from cadence.statemachine.errors import ConfigError
 
+from ..engine import OFF_LOOP_PROMPT_CHARS
 from ..wire import (
     Abort, Error, ErrorCode, FrameBuffer, FrameTooLargeError, Generate, HealthQuery, Hello,
     MessageError, StatsQuery, decode_request, encode, pack_frame,
@@ -81,6 +83,9 @@ DEFAULT_OUTPUT_QUEUE_BYTES = 1 << 20
 DEFAULT_REFUSED_BYTES_PER_S = 4 << 20
 # After connections close, hand freed heap pages back to the system at most this often.
 _TRIM_INTERVAL_S = 1.0
+# Worker threads doing one request's large work at once (`Front.run_sized`), so
+# large requests queue for them rather than crowd the event loop.
+_WORKER_THREADS = 2
 
 
 def positive(instance, attribute, value) -> None:
@@ -314,6 +319,17 @@ class Front:
         self._at_capacity = False
         self._last_trim_s = -math.inf
         self._trim_pending = False
+        self._workers = trio.CapacityLimiter(_WORKER_THREADS)
+
+    # ---- work on one request ----------------------------------------------------
+    async def run_sized(self, size: int, fn, /, *args, **kwargs):
+        """`fn(*args, **kwargs)` for a request of `size` (characters, token ids): on
+        the event loop when small, in a worker thread past the size at which the
+        engine tokenises off the loop, so one large request (a conversation to render,
+        a prompt to hash) cannot hold up the tokens of every other stream."""
+        if size <= OFF_LOOP_PROMPT_CHARS:
+            return fn(*args, **kwargs)
+        return await trio.to_thread.run_sync(partial(fn, *args, **kwargs), limiter=self._workers)
 
     # ---- what subclasses provide -------------------------------------------------
     def make_connection(self, stream: trio.SocketStream, conn_id: int) -> Connection:

@@ -381,10 +381,10 @@ class HttpServer:
     # ---- generation --------------------------------------------------------------
     async def _generate(self, exchange: _Exchange, body: bytes, chat: bool) -> None:
         try:
-            payload = json.loads(body)
+            payload = await self.server.run_sized(len(body), json.loads, body)
         except (ValueError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"the body is not JSON: {exc}") from None
-        request = parse_request(payload, chat, self)
+        request = await parse_request(payload, chat, self)
         choices = self._admit(request)
         # Cancelled when the client goes away: every choice's stream is then
         # abandoned mid-iteration, which aborts its request. What ends the answer
@@ -467,7 +467,7 @@ class HttpServer:
     async def _admitted(self, request: ApiRequest, choice: Choice) -> None:
         await choice.stream.start()
         choice.started = True
-        choice.num_prompt_tokens = self._num_prompt_tokens(request.prompts[choice.prompt_index], choice)
+        choice.num_prompt_tokens = choice.stream.num_prompt_tokens
         self.server.metrics.on_accepted(choice.num_prompt_tokens)
 
     async def _follow(self, request: ApiRequest, choice: Choice) -> bool:
@@ -486,14 +486,6 @@ class HttpServer:
             choice.error = exc
             return False
         return True
-
-    def _num_prompt_tokens(self, prompt, choice: Choice) -> int:
-        actor = self.engine.scheduler.actors.get(choice.state.request_id)
-        if actor is not None:
-            return actor.request.num_prompt_tokens
-        if not isinstance(prompt, str):
-            return len(prompt)
-        return len(self.engine.tokenizer.encode(prompt))
 
     async def _release(self, choice: Choice) -> None:
         await choice.stream.aclose()  # aborts the request unless it finished

@@ -22,6 +22,7 @@ import trio
 from cadence.statemachine.errors import InvalidRequestError, ProtocolError
 from cadence.statemachine.sampling import SamplingParams, StructuredOutput
 
+from ..chat import text_size
 from ..engine import Engine, RequestStream
 from ..fields import (
     check_bool, check_dict, check_finite_float, check_ids, check_int, check_str, check_strs, kind,
@@ -141,9 +142,10 @@ def _field(body: dict, name: str, check: Callable, *args) -> Any:
         raise ApiError(400, str(exc), param=name) from None
 
 
-def parse_request(body: object, chat: bool, http) -> ApiRequest:
+async def parse_request(body: object, chat: bool, http) -> ApiRequest:
     """Check a request body and build the ApiRequest; raises ApiError (400 naming the
-    field, 404 for an unknown model)."""
+    field, 404 for an unknown model). A large conversation is rendered in a worker
+    thread (`Front.run_sized`)."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the body must be a JSON object, got {kind(body)}")
     allowed = _CHAT_FIELDS if chat else _COMPLETION_FIELDS
@@ -159,7 +161,7 @@ def parse_request(body: object, chat: bool, http) -> ApiRequest:
                             f"{http.model_name!r}", param="model", code="model_not_found")
     engine: Engine = http.engine
     if chat:
-        prompts = [_chat_prompt(body, http)]
+        prompts = [await _chat_prompt(body, http)]
     else:
         prompts = _completion_prompts(body.get("prompt"))
     n = _field(body, "n", check_int, 1, MAX_CHOICES) or 1
@@ -208,14 +210,15 @@ def _completion_prompts(prompt: object) -> list:
         raise ApiError(400, str(exc), param="prompt") from None
 
 
-def _chat_prompt(body: dict, http) -> list[int]:
+async def _chat_prompt(body: dict, http) -> list[int]:
     """A chat's messages rendered with the model's template, as token ids."""
     add_generation_prompt = _field(body, "add_generation_prompt", check_bool)
     variables = _field(body, "chat_template_kwargs", check_dict) or {}
+    messages = body.get("messages")
     try:
-        return http.chat.prompt_ids(body.get("messages"),
-                                    add_generation_prompt=add_generation_prompt is not False,
-                                    **variables)
+        return await http.server.run_sized(
+            text_size(messages) + text_size(variables), http.chat.prompt_ids, messages,
+            add_generation_prompt=add_generation_prompt is not False, **variables)
     except InvalidRequestError as exc:
         raise ApiError(400, str(exc), param="messages") from None
 

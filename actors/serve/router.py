@@ -674,11 +674,13 @@ class Router(Front):
         self.welcome_frame = pack_frame(encode(self.welcome))
 
     # ---- placement ---------------------------------------------------------------
-    def make_request(self, message: Generate) -> RoutedRequest:
-        """The routed form of a Generate: block keys and outstanding-work estimate."""
+    async def make_request(self, message: Generate) -> RoutedRequest:
+        """The routed form of a Generate: block keys (hashed in a worker thread for a
+        long prompt) and outstanding-work estimate."""
         salt = self._cache.block_salt(message.tenant, message.cache_salt)
-        keys = prompt_block_keys(message.prompt, self.block_size, salt, self.config.tokenizer)
         prompt = message.prompt
+        keys = await self.run_sized(len(prompt), prompt_block_keys, prompt, self.block_size, salt,
+                                    self.config.tokenizer)
         num_prompt = len(prompt) if not isinstance(prompt, str) else len(prompt) // TEXT_BYTES_PER_TOKEN
         self._num_requests += 1
         return RoutedRequest(message, keys, num_prompt + message.params.max_tokens, self._num_requests)
@@ -859,7 +861,7 @@ class _RouterConnection(Connection):
 
     async def open_stream(self, message: Generate) -> None:
         """Place (or queue) the request now, so requests keep their arrival order."""
-        request = self.router.make_request(message)
+        request = await self.router.make_request(message)
         try:
             self.router.submit(request)
         except _Refused as refused:

@@ -44,7 +44,7 @@ from cadence.statemachine.errors import (
     QueueFullError, RequestNotFoundError, RequestTooLongError,
 )
 
-from ..chat import EngineChat
+from ..chat import EngineChat, text_size
 from ..engine import Engine, EngineConfig, RequestStream, open_engine
 from ..framing import MAX_FRAME_BYTES
 from ..trio_thread import TrioThread
@@ -348,8 +348,9 @@ class _ServerConnection(Connection):
         server = self.server
         if message.messages is not None:
             try:
-                message = attrs.evolve(message, prompt=server.chat.prompt_ids(message.messages),
-                                       messages=None)
+                prompt = await server.run_sized(text_size(message.messages), server.chat.prompt_ids,
+                                                message.messages)
+                message = attrs.evolve(message, prompt=prompt, messages=None)
             except InvalidRequestError as exc:
                 server.metrics.on_rejected(ErrorCode.INVALID_REQUEST.value)
                 self.note_refusal(self._frame_bytes)
@@ -388,7 +389,7 @@ class _ServerConnection(Connection):
                 state.started = True
                 if state.abort_requested:
                     await self.abort_stream(state)
-                num_prompt = self._num_prompt_tokens(state.request_id, message.prompt)
+                num_prompt = request_stream.num_prompt_tokens
                 metrics.on_accepted(num_prompt)
                 await self.send(Accepted(state.stream, state.request_id, num_prompt))
                 await self._relay(state, request_stream)
@@ -419,15 +420,6 @@ class _ServerConnection(Connection):
             await self.send(Output(state.stream, out.token_ids, out.text, out.num_tokens,
                                    out.finish_reason, out.detail, out.num_cached_tokens,
                                    out.logprobs, out.prompt_logprobs))
-
-    def _num_prompt_tokens(self, request_id: str, prompt: str | list[int]) -> int:
-        actor = self.server.engine.scheduler.actors.get(request_id)
-        if actor is not None:
-            return actor.request.num_prompt_tokens
-        if isinstance(prompt, list):
-            return len(prompt)
-        tokenizer = self.server.engine.tokenizer
-        return len(tokenizer.encode(prompt)) if tokenizer is not None else 0
 
 
 # ---------------------------------------------------------------------------

@@ -464,7 +464,7 @@ async def test_the_router_refuses_a_conversation_on_its_stream_and_keys_blocks_b
         assert (type(reply), reply.code, reply.stream) == (Error, "invalid_request", 3)
         await conn.aclose()
         prompt = [1] * (4 * BLOCK)
-        keys = {tenant: router.make_request(Generate(0, prompt, tenant=tenant)).keys
+        keys = {tenant: (await router.make_request(Generate(0, prompt, tenant=tenant))).keys
                 for tenant in ("a", "b")}
         assert keys["a"] != keys["b"] and len(keys["a"]) == 4
     with pytest.raises(ConfigError, match="prefix_cache_sharing"):
