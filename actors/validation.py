@@ -26,6 +26,7 @@ from cadence.statemachine.sampling import MAX_INT64, SamplingParams
 
 __all__ = [
     "Prompt", "RequestLimits", "validate_request", "check_token_ids", "check_prompt_bytes",
+    "check_prompt_num_bytes",
     "DEFAULT_MAX_STOP_STRINGS", "DEFAULT_MAX_STOP_CHARS", "MAX_TENANT_CHARS",
     "MAX_CACHE_SALT_CHARS",
 ]
@@ -64,6 +65,14 @@ class RequestLimits:
                                                validator=_at_least_one)
     max_stop_chars: int | None = attrs.field(default=DEFAULT_MAX_STOP_CHARS,
                                              validator=_at_least_one)
+
+    @property
+    def max_prompt_bytes(self) -> int | None:
+        """Most UTF-8 bytes a text prompt can have and still fit with one output token
+        (None: no byte estimate); a longer one is refused whatever else it asks."""
+        if self.max_bytes_per_token is None:
+            return None
+        return (self.max_model_len - 1) * self.max_bytes_per_token
 
     @classmethod
     def from_welcome(cls, welcome) -> RequestLimits:
@@ -207,6 +216,16 @@ def check_prompt_bytes(prompt: str, max_tokens: int, limits: RequestLimits) -> N
         num_bytes = len(prompt.encode("utf-8"))
     except UnicodeEncodeError as exc:
         raise InvalidRequestError(f"prompt is not valid Unicode: {exc.reason} at {exc.start}") from None
+    check_prompt_num_bytes(num_bytes, max_tokens, limits)
+
+
+def check_prompt_num_bytes(num_bytes: int, max_tokens: int, limits: RequestLimits) -> None:
+    """Refuse a text prompt of `num_bytes` UTF-8 bytes that cannot fit with
+    `max_tokens` more (RequestTooLongError naming both and the limit)."""
+    per_token = limits.max_bytes_per_token
+    if per_token is None:
+        return
+    room = limits.max_model_len - max_tokens
     least = -(-num_bytes // per_token)
     if least > room:
         raise RequestTooLongError(

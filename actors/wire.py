@@ -65,6 +65,8 @@ __all__ = [
     "pack_frame",
     "decode_request",
     "decode_reply",
+    "text_prompt_span",
+    "EMPTY_STR",
     "sampling_to_wire",
     "MessageError",
     "FrameTooLargeError",
@@ -752,6 +754,50 @@ def decode_reply(data: bytes) -> ServerMessage:
     return _decode(data, _REPLY_TYPES, "server")
 
 
+# msgpack str headers: fixstr (length in the low 5 bits), then str8/16/32 with a
+# 1-, 2- or 4-byte big-endian length after the type byte.
+_FIXSTR_FIRST, _FIXSTR_LAST, _FIXSTR_LENGTH_MASK = 0xA0, 0xBF, 0x1F
+_STR_LENGTH_BYTES = {0xD9: 1, 0xDA: 2, 0xDB: 4}
+# The empty str: what an elided text prompt leaves in its frame.
+EMPTY_STR = b"\xa0"
+
+
+def text_prompt_span(prefix: bytes | bytearray) -> tuple[int, int, int] | None:
+    """Where the text prompt of a Generate frame lies, read from the first bytes of
+    its body without decoding the text: (offset of the prompt's str header, offset
+    of its text, the text's length in bytes). None when the prefix shows none: another
+    message, a prompt of token ids, a malformed frame, or fields before the prompt
+    that run past the prefix."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, ext_hook=_reject_ext,
+                                max_buffer_size=max(1, len(prefix)))
+    unpacker.feed(prefix)
+    try:
+        if unpacker.read_array_header() != 3 or unpacker.unpack() != PROTOCOL_VERSION \
+                or unpacker.unpack() != Generate.TYPE:
+            return None
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            if key == "prompt":
+                return _str_span(prefix, unpacker.tell())
+            unpacker.skip()
+    except Exception:  # msgpack raises several unrelated types for cut or bad input
+        return None
+    return None
+
+
+def _str_span(data: bytes | bytearray, start: int) -> tuple[int, int, int] | None:
+    """The msgpack str at `start`: (start, offset of its bytes, their count), or None."""
+    if start >= len(data):
+        return None
+    kind = data[start]
+    if _FIXSTR_FIRST <= kind <= _FIXSTR_LAST:
+        return start, start + 1, kind & _FIXSTR_LENGTH_MASK
+    width = _STR_LENGTH_BYTES.get(kind)
+    if width is None or start + 1 + width > len(data):
+        return None
+    return start, start + 1 + width, int.from_bytes(data[start + 1:start + 1 + width], "big")
+
+
 class FrameBuffer:
     """Split a byte stream into frames, sans-IO: `feed` what arrives, then take
     frames with `next_frame` until it returns None.
@@ -790,6 +836,28 @@ class FrameBuffer:
         body = bytes(buffer[HEADER_BYTES:end])
         del buffer[:end]  # bytearray drops a prefix without copying the rest
         return body
+
+    def declared_size(self) -> int | None:
+        """The body size the next frame's header declares (None until its 4 bytes are in)."""
+        if len(self._buffer) < HEADER_BYTES:
+            return None
+        return _HEADER.unpack_from(self._buffer)[0]
+
+    def body_prefix(self, max_bytes: int) -> bytes:
+        """Up to `max_bytes` of the next frame's body as received so far."""
+        return bytes(self._buffer[HEADER_BYTES:HEADER_BYTES + max_bytes])
+
+    def elide(self, start: int, end: int, replacement: bytes) -> int:
+        """Replace bytes [start, end) of the next frame's body with `replacement` and
+        correct its header: what of the range is buffered is dropped now. Returns how
+        many bytes of the range are still to arrive; the caller discards them before
+        feeding anything more."""
+        buffer = self._buffer
+        (size,) = _HEADER.unpack_from(buffer)
+        received = len(buffer) - HEADER_BYTES
+        buffer[HEADER_BYTES + start:HEADER_BYTES + min(end, received)] = replacement
+        _HEADER.pack_into(buffer, 0, size - (end - start) + len(replacement))
+        return max(0, end - received)
 
 
 # ---------------------------------------------------------------------------

@@ -38,12 +38,14 @@ from functools import partial
 import attrs
 import trio
 
-from cadence.statemachine.errors import ConfigError
+from cadence.statemachine.errors import ConfigError, RequestTooLongError
 
 from ..engine import OFF_LOOP_PROMPT_CHARS
+from ..framing import HEADER_BYTES
+from ..validation import check_prompt_num_bytes
 from ..wire import (
-    Abort, Error, ErrorCode, FrameBuffer, FrameTooLargeError, Generate, HealthQuery, Hello,
-    MessageError, StatsQuery, decode_request, encode, pack_frame,
+    EMPTY_STR, Abort, Error, ErrorCode, FrameBuffer, FrameTooLargeError, Generate, HealthQuery, Hello,
+    MessageError, StatsQuery, decode_request, encode, pack_frame, text_prompt_span,
 )
 from .metrics import NullMetrics
 
@@ -81,6 +83,15 @@ DEFAULT_OUTPUT_QUEUE_BYTES = 1 << 20
 # frames are read later, so requests that are costly to refuse (megabyte prompts)
 # cannot take the event loop from other clients.
 DEFAULT_REFUSED_BYTES_PER_S = 4 << 20
+# A frame declaring more than this is looked at before it is buffered whole: when
+# its text prompt is longer than any prompt can be (`RequestLimits.max_prompt_bytes`),
+# the text is dropped as it arrives, never copied into a frame or decoded, and the
+# request is refused on its stream. The look needs the body's first bytes: up to
+# _SKIM_PREFIX_BYTES of them (the envelope and the fields before the prompt).
+_SKIM_FRAME_BYTES = 1 << 16
+_SKIM_PREFIX_BYTES = 1 << 16
+# Bytes of an elided prompt received per read (into one scratch buffer per front).
+_DISCARD_READ_BYTES = 1 << 18
 # After connections close, hand freed heap pages back to the system at most this often.
 _TRIM_INTERVAL_S = 1.0
 # Worker threads doing one request's large work at once (`Front.run_sized`), so
@@ -127,6 +138,10 @@ class StreamState:
 
 
 _CLOSE_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+
+
+class _Truncated(Exception):
+    """The peer closed its side in the middle of a frame."""
 
 
 async def _linger_and_close(stream: trio.SocketStream) -> None:
@@ -301,6 +316,9 @@ class Front:
 
     #: How the front names itself in refusals ("server", "router").
     kind = "server"
+    #: What requests are checked against here, if known (a `RequestLimits`): with a
+    #: byte estimate, text prompts too long for the model are refused as they arrive.
+    request_limits = None
 
     def __init__(self, config, metrics: NullMetrics | None = None) -> None:
         self.config = config
@@ -320,6 +338,15 @@ class Front:
         self._last_trim_s = -math.inf
         self._trim_pending = False
         self._workers = trio.CapacityLimiter(_WORKER_THREADS)
+        self._scratch: memoryview | None = None
+
+    @property
+    def scratch(self) -> memoryview:
+        """A buffer that reads whose bytes are dropped go into (its content is never
+        read, so every connection shares it)."""
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(_DISCARD_READ_BYTES))
+        return self._scratch
 
     # ---- work on one request ----------------------------------------------------
     async def run_sized(self, size: int, fn, /, *args, **kwargs):
@@ -708,6 +735,9 @@ class Connection:
     # ---- reading -----------------------------------------------------------------
     async def _read_loop(self) -> None:
         buffer = FrameBuffer(self.config.max_frame_bytes)
+        # Whether the frame at the head of the buffer was looked at (`_skim`), and what
+        # was dropped of it: (its text prompt's bytes, the frame's size as sent).
+        skimmed, elided = False, None
         try:
             while True:
                 if self._read_after > trio.current_time():
@@ -719,19 +749,22 @@ class Connection:
                     raise fatal(ErrorCode.FRAME_TOO_LARGE, str(exc), "frame_too_large",
                                 "max_frame_bytes") from None
                 if frame is not None:
-                    await self._on_frame(frame)
+                    skimmed, frame_elided, elided = False, elided, None
+                    await self._on_frame(frame, frame_elided)
                     continue
+                if not skimmed and self._greeted:
+                    skimmed, elided = await self._skim(buffer)
+                    if elided is not None:
+                        continue
                 data = await self._receive()
                 if not data:
-                    if buffer.num_pending_bytes:
-                        self.metrics.on_protocol_error(ErrorCode.BAD_FRAME.value)
-                        self.close_reason = "truncated_frame"
-                    else:
-                        self.close_reason = "eof"
+                    self._end_of_input(buffer.num_pending_bytes)
                     return
                 buffer.feed(data)
         except Fatal as exc:
             self.close(exc.frame, exc.reason)
+        except _Truncated:
+            self._end_of_input(1)
         except _CLOSE_ERRORS as exc:
             self.close_reason = "reset"
             _log.debug("connection %d: %s", self.conn_id, exc)
@@ -739,7 +772,63 @@ class Connection:
             _log.exception("connection %d: internal error", self.conn_id)
             self.close(Error(ErrorCode.INTERNAL.value, "internal server error", fatal=True), "internal")
 
+    def _end_of_input(self, num_pending_bytes: int) -> None:
+        if num_pending_bytes:
+            self.metrics.on_protocol_error(ErrorCode.BAD_FRAME.value)
+            self.close_reason = "truncated_frame"
+        else:
+            self.close_reason = "eof"
+
+    async def _skim(self, buffer: FrameBuffer) -> tuple[bool, tuple[int, int] | None]:
+        """Look at a large frame before it is buffered whole: a text prompt longer than
+        any prompt can be is dropped as it arrives (the frame keeps an empty one, and
+        `_on_generate` refuses it by the dropped length). Returns whether the frame was
+        looked at (False: not enough of it yet) and, if its prompt was dropped, (the
+        prompt's bytes, the frame's size)."""
+        size = buffer.declared_size()
+        limits = self.front.request_limits
+        if size is None or size <= _SKIM_FRAME_BYTES or limits is None or limits.max_prompt_bytes is None:
+            return size is not None, None
+        if buffer.num_pending_bytes - HEADER_BYTES < min(size, _SKIM_PREFIX_BYTES):
+            return False, None
+        span = text_prompt_span(buffer.body_prefix(_SKIM_PREFIX_BYTES))
+        if span is None:
+            return True, None
+        header_start, text_start, num_bytes = span
+        if num_bytes <= limits.max_prompt_bytes:
+            return True, None
+        remaining = buffer.elide(header_start, text_start + num_bytes, EMPTY_STR)
+        await self._discard(remaining)
+        return True, (num_bytes, size)
+
+    async def _discard(self, count: int) -> None:
+        """Read and drop the next `count` bytes, in large reads into the shared scratch
+        buffer: nothing is copied into a Python object."""
+        scratch = self.front.scratch
+        while count:
+            received = await self._receive_into(scratch[:min(count, len(scratch))])
+            if not received:
+                raise _Truncated
+            count -= received
+
     async def _receive(self) -> bytes:
+        with self._receive_deadline() as scope:
+            data = await self.stream.receive_some(READ_BYTES)
+        self._receive_scope = None
+        if scope.cancelled_caught:
+            self._deadline_passed()
+        return data
+
+    async def _receive_into(self, view: memoryview) -> int:
+        with self._receive_deadline() as scope:
+            received = await self.stream.socket.recv_into(view, len(view))
+        self._receive_scope = None
+        if scope.cancelled_caught:
+            self._deadline_passed()
+        return received
+
+    def _receive_deadline(self) -> trio.CancelScope:
+        """The scope of one read, with the deadline that applies now."""
         config = self.config
         if not self._greeted:
             deadline = self._handshake_deadline
@@ -747,12 +836,11 @@ class Connection:
             deadline = math.inf
         else:
             deadline = self._idle_since + config.idle_timeout_s
-        with trio.CancelScope(deadline=deadline) as scope:
-            self._receive_scope = scope
-            data = await self.stream.receive_some(READ_BYTES)
-            self._receive_scope = None
-            return data
-        self._receive_scope = None
+        self._receive_scope = trio.CancelScope(deadline=deadline)
+        return self._receive_scope
+
+    def _deadline_passed(self) -> None:
+        config = self.config
         if not self._greeted:
             raise fatal(ErrorCode.HANDSHAKE_TIMEOUT,
                         f"no Hello within {config.handshake_timeout_s} s", "handshake_timeout",
@@ -777,9 +865,11 @@ class Connection:
             return
         self._read_after = max(self._read_after, trio.current_time()) + num_bytes / rate
 
-    async def _on_frame(self, frame: bytes) -> None:
+    async def _on_frame(self, frame: bytes, elided: tuple[int, int] | None = None) -> None:
+        """One whole frame; `elided`: (bytes of its text prompt, its size as sent) when
+        `_skim` dropped the prompt."""
         self._idle_since = trio.current_time()
-        self._frame_bytes = len(frame)
+        self._frame_bytes = len(frame) if elided is None else elided[1]
         try:
             message = decode_request(frame)
         except MessageError as exc:
@@ -790,7 +880,7 @@ class Connection:
             return
         kind = type(message)
         if kind is Generate:
-            await self._on_generate(message)
+            await self._on_generate(message, None if elided is None else elided[0])
         elif kind is Abort:
             await self._on_abort(message)
         elif kind is StatsQuery:
@@ -840,7 +930,7 @@ class Connection:
         await self.send_frame(self.front.welcome_frame)
 
     # ---- requests ----------------------------------------------------------------
-    async def _on_generate(self, message: Generate) -> None:
+    async def _on_generate(self, message: Generate, dropped_prompt_bytes: int | None = None) -> None:
         sid = message.stream
         if self.front.draining:
             refusal = Error(ErrorCode.SHUTDOWN.value, f"the {self.front.kind} is shutting down",
@@ -854,6 +944,8 @@ class Connection:
             refusal = Error(ErrorCode.TOO_MANY_REQUESTS.value,
                             f"this connection already has {len(self.streams)} live streams",
                             stream=sid, limit="max_inflight_per_connection")
+        elif dropped_prompt_bytes is not None:
+            refusal = self._refuse_prompt_bytes(message, dropped_prompt_bytes)
         else:
             refusal = self.refuse_generate(message)
         if refusal is not None:
@@ -862,6 +954,17 @@ class Connection:
             await self.send(refusal)
             return
         await self.open_stream(message)
+
+    def _refuse_prompt_bytes(self, message: Generate, num_bytes: int) -> Error:
+        """The refusal of a Generate whose text prompt of `num_bytes` was dropped unread
+        for being longer than any prompt can be: the engine's own words for it."""
+        max_tokens = message.params.max_tokens
+        try:
+            check_prompt_num_bytes(num_bytes, 1 if max_tokens is None else max_tokens,
+                                   self.front.request_limits)
+        except RequestTooLongError as exc:
+            return Error(ErrorCode.REQUEST_TOO_LONG.value, str(exc), stream=message.stream)
+        raise AssertionError(f"a dropped prompt of {num_bytes} bytes fits")  # max_prompt_bytes says not
 
     def add_stream(self, state: StreamState, run, *args) -> None:
         """Make `state` live and run `run(state, *args)` in the streams' nursery;

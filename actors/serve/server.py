@@ -189,6 +189,7 @@ class Server(Front):
                  metrics: NullMetrics | None = None) -> None:
         super().__init__(config if config is not None else ServerConfig(), metrics)
         self.engine = engine
+        self.request_limits = engine.request_limits
         self.tenant_inflight: Counter[str] = Counter()
         self.num_inflight = 0
         self.metrics_address: tuple[str, int] | None = None

@@ -10,9 +10,12 @@ import pytest
 import trio
 
 from cadence.actors.client import open_client
+from cadence.actors.serve import connection
 from cadence.actors.serve.connection import Outbox
 from cadence.actors.serve.server import open_server
-from cadence.actors.wire import Error, Generate, HealthQuery, HealthReply, Output, SamplingParams, pack_frame
+from cadence.actors.wire import (
+    Error, Generate, HealthQuery, HealthReply, Output, SamplingParams, decode_request, pack_frame,
+)
 
 from test_server_support import (
     SLOW_STEP, WAIT_S, RawConnection, engine_config, server_config, settled, wait_until,
@@ -199,5 +202,39 @@ async def test_small_refusals_do_not_slow_a_client_down():
         # The pause is frame bytes over 4 MiB/s: far below what the round trips take.
         assert server.config.refused_bytes_per_s == 4 << 20
         assert trio.current_time() - started < 20 * 0.25
+        await conn.aclose()
+        await settled(server)
+
+
+@pytest.mark.parametrize("stream_first", [True, False])
+async def test_a_text_prompt_too_long_for_any_request_is_dropped_unread(monkeypatch, stream_first):
+    """A megabyte text prompt that no request could use is refused on its stream
+    without being buffered whole or decoded: every frame the server decodes is
+    small, and the connection goes on serving. A large prompt that fits is read."""
+    decoded: list[int] = []
+
+    def recording_decode(frame):
+        decoded.append(len(frame))
+        return decode_request(frame)
+
+    monkeypatch.setattr(connection, "decode_request", recording_decode)
+    fits = 70_000  # bytes: over the frame size that is looked at first, under max_model_len
+    engine = engine_config(max_model_len=fits + 100, num_blocks=(fits + 100) // 16 + 64)
+    async with open_server(engine, server_config(refused_bytes_per_s=None)) as server:
+        conn = await RawConnection.greeted(server)
+        too_long = (1 << 20) - 1024
+        fields = [("stream", 4), ("prompt", "x" * too_long), ("params", {"max_tokens": 3})]
+        if not stream_first:
+            fields.reverse()
+        await conn.send_bytes(pack_frame(msgpack.packb([1, "Generate", dict(fields)])))
+        reply = await conn.receive()
+        assert type(reply) is Error and reply.code == "request_too_long", reply
+        assert reply.stream == 4 and not reply.fatal
+        assert f"prompt has {too_long} bytes" in reply.message and "max_tokens is 3" in reply.message
+        assert max(decoded) < 1024, decoded
+        await conn.send(Generate(5, "y" * fits, SamplingParams(max_tokens=2)))
+        while not (type(message := await conn.receive()) is Output and message.finished):
+            assert type(message) is not Error, message
+        assert max(decoded) > fits
         await conn.aclose()
         await settled(server)
