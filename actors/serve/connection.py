@@ -41,15 +41,16 @@ import trio
 from cadence.statemachine.errors import ConfigError, RequestTooLongError
 
 from ..engine import OFF_LOOP_PROMPT_CHARS
-from ..framing import HEADER_BYTES
+from ..framing import HEADER_BYTES, MAX_FRAME_BYTES
 from ..validation import check_prompt_num_bytes
 from ..wire import (
-    EMPTY_STR, Abort, Error, ErrorCode, FrameBuffer, FrameTooLargeError, Generate, HealthQuery, Hello,
+    DEFAULT_MAX_REQUEST_FRAME_BYTES, EMPTY_STR, Abort, Error, ErrorCode, FrameBuffer, FrameTooLargeError, Generate, HealthQuery, Hello,
     MessageError, StatsQuery, decode_request, encode, pack_frame, text_prompt_span,
 )
 from .metrics import NullMetrics
 
-__all__ = ["Front", "Connection", "StreamState", "Outbox", "Fatal", "fatal", "refuse", "tokens_match",
+__all__ = ["ConnectionConfig", "Front", "Connection", "StreamState", "Outbox", "Fatal", "fatal", "refuse",
+           "tokens_match", "DEFAULT_MAX_UNSENT_BYTES",
            "bare_errors",
            "positive", "port_number", "DEFAULT_OUTPUT_QUEUE_BYTES", "DEFAULT_REFUSED_BYTES_PER_S"]
 
@@ -79,6 +80,10 @@ _SHED_BATCH = 64
 # Bytes of queued frames per connection before its streams wait (one frame
 # always fits, however large).
 DEFAULT_OUTPUT_QUEUE_BYTES = 1 << 20
+# Bytes the server may hold for one client that the kernel has not taken (the outbox,
+# frames waiting for it, and the output its streams' requests hold back): a client
+# past it is not reading and is closed at once.
+DEFAULT_MAX_UNSENT_BYTES = 4 * DEFAULT_OUTPUT_QUEUE_BYTES
 # Bytes of refused requests a connection may send per second: past that its next
 # frames are read later, so requests that are costly to refuse (megabyte prompts)
 # cannot take the event loop from other clients.
@@ -109,6 +114,77 @@ def port_number(instance, attribute, value) -> None:
     """attrs validator: None or a TCP port."""
     if value is not None and not 0 <= value <= 65535:
         raise ConfigError(f"{attribute.name} must be in [0, 65535], got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class ConnectionConfig:
+    """Where a front (the server, the router) listens for clients and the limits it
+    applies to each of them; `ServerConfig` and `RouterConfig` add their own.
+
+    host, port: TCP address (port 0: any free port; None: no TCP listener). The
+      default host is loopback; listening elsewhere must be asked for.
+    unix_path: also (or only) listen on this Unix socket (created mode 0600).
+    token: shared secret every client must present in its Hello (None: no auth).
+    max_frame_bytes: largest frame a client may send.
+    max_connections: open connections at once; more are refused.
+    max_inflight_per_connection: live streams per connection.
+    max_protocol_errors: malformed messages tolerated per connection.
+    idle_timeout_s: a connection with no live stream that sends nothing for this
+      long is closed (None: never).
+    handshake_timeout_s: time a new connection has to send its Hello.
+    send_timeout_s: a socket write to a client that makes no progress for this
+      long closes the connection (the client is not reading).
+    output_queue_frames, output_queue_bytes: frames (and their bytes) queued
+      per connection before its streams wait.
+    max_unsent_bytes: bytes held for a client that the kernel has not taken (its
+      queued frames, and the output its waiting streams hold back); past it the
+      client is not reading, and is closed at once (None: only send_timeout_s).
+    refused_bytes_per_s: bytes of refused requests a connection may send per second;
+      past that its next frames are read later (None: no pause).
+    """
+
+    host: str = "127.0.0.1"
+    port: int | None = attrs.field(default=None, validator=port_number)
+    unix_path: str | None = None
+    token: str | None = attrs.field(default=None, repr=False)
+    max_frame_bytes: int = attrs.field(default=DEFAULT_MAX_REQUEST_FRAME_BYTES, validator=positive)
+    max_connections: int = attrs.field(default=1024, validator=positive)
+    max_inflight_per_connection: int = attrs.field(default=256, validator=positive)
+    max_protocol_errors: int = attrs.field(default=16, validator=positive)
+    idle_timeout_s: float | None = attrs.field(default=None, validator=positive)
+    handshake_timeout_s: float = attrs.field(default=10.0, validator=positive)
+    send_timeout_s: float = attrs.field(default=30.0, validator=positive)
+    output_queue_frames: int = attrs.field(default=64, validator=positive)
+    output_queue_bytes: int = attrs.field(default=DEFAULT_OUTPUT_QUEUE_BYTES, validator=positive)
+    max_unsent_bytes: int | None = attrs.field(default=DEFAULT_MAX_UNSENT_BYTES, validator=positive)
+    refused_bytes_per_s: float | None = attrs.field(default=DEFAULT_REFUSED_BYTES_PER_S,
+                                                    validator=positive)
+
+    def __attrs_post_init__(self) -> None:
+        if self.port is None and self.unix_path is None:
+            raise ConfigError(f"the {self.kind} needs a TCP port or a Unix socket path")
+        if self.max_frame_bytes > MAX_FRAME_BYTES:
+            raise ConfigError(f"max_frame_bytes must be <= {MAX_FRAME_BYTES}, got {self.max_frame_bytes}")
+        if self.token is not None and not self.token:
+            raise ConfigError("token must not be empty (use None for no authentication)")
+        if self.max_unsent_bytes is not None and self.max_unsent_bytes < self.output_queue_bytes:
+            raise ConfigError(f"max_unsent_bytes must be >= output_queue_bytes "
+                              f"({self.output_queue_bytes}), got {self.max_unsent_bytes}")
+
+    #: What the front is called in messages ("server", "router").
+    kind = "server"
+
+    def limits(self) -> dict[str, int | float | None]:
+        """The limits a client is told about in Welcome."""
+        return {
+            "max_frame_bytes": self.max_frame_bytes,
+            "max_connections": self.max_connections,
+            "max_inflight_per_connection": self.max_inflight_per_connection,
+            "max_protocol_errors": self.max_protocol_errors,
+            "idle_timeout_s": self.idle_timeout_s,
+            "handshake_timeout_s": self.handshake_timeout_s,
+            "send_timeout_s": self.send_timeout_s,
+        }
 
 
 class Fatal(Exception):

@@ -435,7 +435,7 @@ class HttpServer:
                 stream = self.engine.generate(
                     prompt, request.params_for(sample), priority=request.priority,
                     tenant=request.tenant, deadline_s=request.deadline_s, request_id=request_id)
-                state = _StreamState(len(choices), request.tenant, request_id)
+                state = _StreamState(len(choices), tenant=request.tenant, request_id=request_id)
                 server.num_inflight += 1
                 server.tenant_inflight[request.tenant] += 1
                 choice = Choice(len(choices), prompt_index, stream, state,

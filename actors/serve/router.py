@@ -48,16 +48,14 @@ from cadence.statemachine.config import PREFIX_CACHE_SHARING, CacheConfig
 from cadence.statemachine.errors import ConfigError
 
 from ..client import AsyncClient, AsyncStream, open_client, parse_address
-from ..framing import MAX_FRAME_BYTES
 from ..unwrap import unwrapping
 from ..validation import RequestLimits
 from ..wire import (
-    DEFAULT_MAX_REQUEST_FRAME_BYTES, Accepted, ClientTimeoutError, ConnectionClosedError, Error,
+    Accepted, ClientTimeoutError, ConnectionClosedError, Error,
     ErrorCode, Generate, HealthReply, Output, ServerError, StatsReply, Welcome, encode, pack_frame,
 )
 from .connection import (
-    DEFAULT_OUTPUT_QUEUE_BYTES, DEFAULT_REFUSED_BYTES_PER_S, Connection, Front, StreamState,
-    bare_errors, port_number, positive,
+    Connection, ConnectionConfig, Front, StreamState, bare_errors, port_number, positive,
 )
 
 __all__ = [
@@ -132,12 +130,13 @@ def _addresses(value) -> tuple:
 
 
 @attrs.frozen
-class RouterConfig:
-    """What the router forwards to, where it listens, and how it places requests.
+class RouterConfig(ConnectionConfig):
+    """What the router forwards to, where it listens, and how it places requests:
+    the client-side connection limits of `ConnectionConfig` (keyword-only, with the
+    server's meaning; no idle timeout by default), and
 
     replicas: the replicas' addresses ("host:port", (host, port), "unix:/path").
-    host, port, unix_path, token: where clients connect and the token they must
-      present, as for the server (port 0: any free port; None: no TCP).
+    port: where clients connect (default DEFAULT_ROUTER_PORT; 0: any free port; None: no TCP).
     replica_token: the token the router presents to the replicas.
     policy: "prefix" (longest cached prefix, then least loaded), "least_loaded",
       "round_robin", or a PlacementPolicy instance.
@@ -158,67 +157,39 @@ class RouterConfig:
     start_timeout_s: `open_router` waits this long for the replicas to answer.
     max_retries: placements after the first for a request whose replica was
       lost before it produced output.
-    max_frame_bytes, max_connections, max_inflight_per_connection,
-    max_protocol_errors, idle_timeout_s, handshake_timeout_s, send_timeout_s,
-    output_queue_frames, output_queue_bytes, refused_bytes_per_s: the client-side
-      limits, with the server's meaning (no idle timeout by default).
     """
 
+    kind = "router"
+
     replicas: tuple = attrs.field(converter=_addresses)
-    host: str = "127.0.0.1"
-    port: int | None = attrs.field(default=DEFAULT_ROUTER_PORT, validator=port_number)
-    unix_path: str | None = None
-    token: str | None = attrs.field(default=None, repr=False)
-    replica_token: str | None = attrs.field(default=None, repr=False)
-    policy: Any = "prefix"
-    max_inflight_per_replica: int = attrs.field(default=64, validator=positive)
-    max_queued: int = attrs.field(default=4096, validator=positive)
-    block_size: int | None = attrs.field(default=None, validator=positive)
-    index_blocks_per_replica: int = attrs.field(default=1 << 16, validator=positive)
-    tokenizer: Any = None
-    prefix_cache_sharing: str = attrs.field(default="tenant", validator=_sharing)
-    health_interval_s: float = attrs.field(default=1.0, validator=positive)
-    health_timeout_s: float = attrs.field(default=2.0, validator=positive)
-    reconnect_interval_s: float = attrs.field(default=1.0, validator=positive)
-    rejoin_after_s: float = attrs.field(default=5.0, validator=_non_negative)
-    replica_timeout_s: float = attrs.field(default=600.0, validator=positive)
-    start_timeout_s: float = attrs.field(default=10.0, validator=positive)
-    max_retries: int = attrs.field(default=2, validator=_non_negative)
-    max_frame_bytes: int = attrs.field(default=DEFAULT_MAX_REQUEST_FRAME_BYTES, validator=positive)
-    max_connections: int = attrs.field(default=1024, validator=positive)
-    max_inflight_per_connection: int = attrs.field(default=256, validator=positive)
-    max_protocol_errors: int = attrs.field(default=16, validator=positive)
-    idle_timeout_s: float | None = attrs.field(default=None, validator=positive)
-    handshake_timeout_s: float = attrs.field(default=10.0, validator=positive)
-    send_timeout_s: float = attrs.field(default=30.0, validator=positive)
-    output_queue_frames: int = attrs.field(default=64, validator=positive)
-    output_queue_bytes: int = attrs.field(default=DEFAULT_OUTPUT_QUEUE_BYTES, validator=positive)
-    refused_bytes_per_s: float | None = attrs.field(default=DEFAULT_REFUSED_BYTES_PER_S,
-                                                    validator=positive)
+    port: int | None = attrs.field(default=DEFAULT_ROUTER_PORT, validator=port_number, kw_only=True)
+    replica_token: str | None = attrs.field(default=None, repr=False, kw_only=True)
+    policy: Any = attrs.field(default="prefix", kw_only=True)
+    max_inflight_per_replica: int = attrs.field(default=64, validator=positive, kw_only=True)
+    max_queued: int = attrs.field(default=4096, validator=positive, kw_only=True)
+    block_size: int | None = attrs.field(default=None, validator=positive, kw_only=True)
+    index_blocks_per_replica: int = attrs.field(default=1 << 16, validator=positive, kw_only=True)
+    tokenizer: Any = attrs.field(default=None, kw_only=True)
+    prefix_cache_sharing: str = attrs.field(default="tenant", validator=_sharing, kw_only=True)
+    health_interval_s: float = attrs.field(default=1.0, validator=positive, kw_only=True)
+    health_timeout_s: float = attrs.field(default=2.0, validator=positive, kw_only=True)
+    reconnect_interval_s: float = attrs.field(default=1.0, validator=positive, kw_only=True)
+    rejoin_after_s: float = attrs.field(default=5.0, validator=_non_negative, kw_only=True)
+    replica_timeout_s: float = attrs.field(default=600.0, validator=positive, kw_only=True)
+    start_timeout_s: float = attrs.field(default=10.0, validator=positive, kw_only=True)
+    max_retries: int = attrs.field(default=2, validator=_non_negative, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
         if not self.replicas:
             raise ConfigError("the router needs at least one replica address")
-        if self.port is None and self.unix_path is None:
-            raise ConfigError("the router needs a TCP port or a Unix socket path")
-        if self.max_frame_bytes > MAX_FRAME_BYTES:
-            raise ConfigError(f"max_frame_bytes must be <= {MAX_FRAME_BYTES}, got {self.max_frame_bytes}")
+        super().__attrs_post_init__()
         make_policy(self.policy)  # fails here, where the config is made
 
     def limits(self) -> dict[str, int | float | None]:
         """The limits a client is told about in Welcome."""
-        return {
-            "max_frame_bytes": self.max_frame_bytes,
-            "max_connections": self.max_connections,
-            "max_inflight_per_connection": self.max_inflight_per_connection,
-            "max_inflight_per_tenant": None,
-            "max_protocol_errors": self.max_protocol_errors,
-            "idle_timeout_s": self.idle_timeout_s,
-            "handshake_timeout_s": self.handshake_timeout_s,
-            "send_timeout_s": self.send_timeout_s,
-            "max_inflight_per_replica": self.max_inflight_per_replica,
-            "max_queued": self.max_queued,
-        }
+        return {**super().limits(), "max_inflight_per_tenant": None,
+                "max_inflight_per_replica": self.max_inflight_per_replica,
+                "max_queued": self.max_queued}
 
 
 # ---------------------------------------------------------------------------

@@ -46,17 +46,15 @@ from cadence.statemachine.errors import (
 
 from ..chat import EngineChat, text_size
 from ..engine import Engine, EngineConfig, RequestStream, open_engine
-from ..framing import MAX_FRAME_BYTES
 from ..trio_thread import TrioThread
 from ..unwrap import unwrap_sole_error, unwrapping
 from ..engine_args import add_engine_arguments, engine_config_from_args
 from ..wire import (
-    DEFAULT_PORT, DEFAULT_MAX_REQUEST_FRAME_BYTES, Accepted, Error, ErrorCode, Generate,
+    DEFAULT_PORT, Accepted, Error, ErrorCode, Generate,
     HealthReply, Output, StatsReply, Welcome, encode, pack_frame,
 )
 from .connection import (
-    DEFAULT_OUTPUT_QUEUE_BYTES, DEFAULT_REFUSED_BYTES_PER_S, Connection, Front, bare_errors,
-    port_number, positive, tokens_match,
+    Connection, ConnectionConfig, Front, StreamState, bare_errors, port_number, positive, tokens_match,
 )
 from .metrics import NullMetrics, ServerMetrics, serve_metrics
 
@@ -80,71 +78,27 @@ SERVER_NAME = "cadence/0.1"
 
 
 @attrs.frozen
-class ServerConfig:
-    """Where the server listens and the limits it applies.
+class ServerConfig(ConnectionConfig):
+    """Where the server listens and the limits it applies: the connection limits of
+    `ConnectionConfig` (all keyword-only), and
 
-    host, port: TCP address (port 0: any free port; None: no TCP listener). The
-      default host is loopback; listening elsewhere must be asked for.
-    unix_path: also (or only) listen on this Unix socket (created mode 0600).
-    token: shared secret every client must present in its Hello (None: no auth).
-    max_frame_bytes: largest frame a client may send.
-    max_connections: open connections at once; more are refused.
-    max_inflight_per_connection, max_inflight_per_tenant: live streams per
-      connection and per tenant (None: no per-tenant limit).
-    max_protocol_errors: malformed messages tolerated per connection.
-    idle_timeout_s: a connection with no live stream that sends nothing for this
-      long is closed (None: never).
-    handshake_timeout_s: time a new connection has to send its Hello.
-    send_timeout_s: a socket write to a client that makes no progress for this
-      long closes the connection (the client is not reading).
-    output_queue_frames, output_queue_bytes: frames (and their bytes) queued
-      per connection before its streams wait.
-    refused_bytes_per_s: bytes of refused requests a connection may send per second;
-      past that its next frames are read later (None: no pause).
+    port: the msgpack port (default DEFAULT_PORT; 0: any free port; None: none).
+    idle_timeout_s: as `ConnectionConfig`, 300 s by default.
+    max_inflight_per_tenant: live streams per tenant (None: no per-tenant limit).
     shutdown_grace_s: on shutdown, how long running requests may finish.
     metrics_host, metrics_port: Prometheus endpoint (None: off).
     """
 
-    host: str = "127.0.0.1"
-    port: int | None = attrs.field(default=DEFAULT_PORT, validator=port_number)
-    unix_path: str | None = None
-    token: str | None = attrs.field(default=None, repr=False)
-    max_frame_bytes: int = attrs.field(default=DEFAULT_MAX_REQUEST_FRAME_BYTES, validator=positive)
-    max_connections: int = attrs.field(default=1024, validator=positive)
-    max_inflight_per_connection: int = attrs.field(default=256, validator=positive)
-    max_inflight_per_tenant: int | None = attrs.field(default=None, validator=positive)
-    max_protocol_errors: int = attrs.field(default=16, validator=positive)
-    idle_timeout_s: float | None = attrs.field(default=300.0, validator=positive)
-    handshake_timeout_s: float = attrs.field(default=10.0, validator=positive)
-    send_timeout_s: float = attrs.field(default=30.0, validator=positive)
-    output_queue_frames: int = attrs.field(default=64, validator=positive)
-    output_queue_bytes: int = attrs.field(default=DEFAULT_OUTPUT_QUEUE_BYTES, validator=positive)
-    refused_bytes_per_s: float | None = attrs.field(default=DEFAULT_REFUSED_BYTES_PER_S,
-                                                    validator=positive)
-    shutdown_grace_s: float = attrs.field(default=30.0, validator=attrs.validators.ge(0))
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int | None = attrs.field(default=None, validator=port_number)
-
-    def __attrs_post_init__(self) -> None:
-        if self.port is None and self.unix_path is None:
-            raise ConfigError("the server needs a TCP port or a Unix socket path")
-        if self.max_frame_bytes > MAX_FRAME_BYTES:
-            raise ConfigError(f"max_frame_bytes must be <= {MAX_FRAME_BYTES}, got {self.max_frame_bytes}")
-        if self.token is not None and not self.token:
-            raise ConfigError("token must not be empty (use None for no authentication)")
+    port: int | None = attrs.field(default=DEFAULT_PORT, validator=port_number, kw_only=True)
+    idle_timeout_s: float | None = attrs.field(default=300.0, validator=positive, kw_only=True)
+    max_inflight_per_tenant: int | None = attrs.field(default=None, validator=positive, kw_only=True)
+    shutdown_grace_s: float = attrs.field(default=30.0, validator=attrs.validators.ge(0), kw_only=True)
+    metrics_host: str = attrs.field(default="127.0.0.1", kw_only=True)
+    metrics_port: int | None = attrs.field(default=None, validator=port_number, kw_only=True)
 
     def limits(self) -> dict[str, int | float | None]:
         """The limits a client is told about in Welcome."""
-        return {
-            "max_frame_bytes": self.max_frame_bytes,
-            "max_connections": self.max_connections,
-            "max_inflight_per_connection": self.max_inflight_per_connection,
-            "max_inflight_per_tenant": self.max_inflight_per_tenant,
-            "max_protocol_errors": self.max_protocol_errors,
-            "idle_timeout_s": self.idle_timeout_s,
-            "handshake_timeout_s": self.handshake_timeout_s,
-            "send_timeout_s": self.send_timeout_s,
-        }
+        return {**super().limits(), "max_inflight_per_tenant": self.max_inflight_per_tenant}
 
 
 def _engine_error_code(exc: BaseException, draining: bool) -> ErrorCode:
@@ -163,17 +117,13 @@ def _engine_error_code(exc: BaseException, draining: bool) -> ErrorCode:
 
 
 @attrs.define(eq=False)
-class _StreamState:
-    """One live stream of the server (a msgpack stream, or one answer of the HTTP API)."""
+class _StreamState(StreamState):
+    """One live stream of the server (a msgpack stream, or one answer of the HTTP API):
+    its tenant, its engine request and whether that was submitted yet."""
 
-    stream: int
-    tenant: str
-    request_id: str
-    scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+    tenant: str = attrs.field(kw_only=True)
+    request_id: str = attrs.field(kw_only=True)
     started: bool = False
-    abort_requested: bool = False
-    shutdown: bool = False
-    frame_bytes: int = 0  # of the Generate that opened it (see Connection.note_refusal)
 
 
 class Server(Front):
@@ -357,7 +307,8 @@ class _ServerConnection(Connection):
                 self.note_refusal(self._frame_bytes)
                 await self.send(Error(ErrorCode.INVALID_REQUEST.value, str(exc), stream=message.stream))
                 return
-        state = _StreamState(message.stream, message.tenant, server.next_request_id(self.conn_id))
+        state = _StreamState(message.stream, tenant=message.tenant,
+                             request_id=server.next_request_id(self.conn_id))
         server.stream_started(state)
         self.add_stream(state, self._run_stream, message)
 
