@@ -232,6 +232,12 @@ class RequestStream:
         """The prompt's length in tokens once submitted."""
         return self._actor.request.num_prompt_tokens if self._actor is not None else None
 
+    @property
+    def num_undelivered_tokens(self) -> int:
+        """Tokens produced that this stream's consumer has not taken yet (0 before
+        submission)."""
+        return self._actor.num_undelivered_tokens if self._actor is not None else 0
+
     def enqueue(self) -> RequestStream:
         """Hand the request to the scheduler now, without waiting for its verdict;
         a refusal raises from the first iteration (or `start()`). Enqueueing many

@@ -434,6 +434,13 @@ class RequestActor:
             self._wake_actor()  # the consumer will not apply them any more
 
     @property
+    def num_undelivered_tokens(self) -> int:
+        """Tokens produced that the consumer has not taken yet: what a consumer that
+        does not keep up lets pile up (its next delta holds them)."""
+        return len(self._out_tokens) + sum(len(event.token_ids) for event in self._events
+                                           if event.token_ids)
+
+    @property
     def stream_done(self) -> bool:
         """Whether the consumer has taken the last delta (or the error)."""
         return self._final_taken

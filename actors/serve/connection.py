@@ -314,24 +314,40 @@ class Outbox:
     live stream plus one.
     """
 
-    __slots__ = ("_frames", "_free", "_max_bytes", "num_bytes", "_room", "_writer", "closed")
+    __slots__ = ("_frames", "_free", "_max_bytes", "num_bytes", "num_waiting_bytes", "_room",
+                 "_writer", "closed", "on_wait")
 
-    def __init__(self, capacity: int, max_bytes: int) -> None:
+    def __init__(self, capacity: int, max_bytes: int, on_wait=None) -> None:
         self._frames: deque[tuple[bytes, bool]] = deque()
         self._free = capacity
         self._max_bytes = max_bytes
+        # Counted bytes queued or being written, and bytes of frames waiting for room.
         self.num_bytes = 0
+        self.num_waiting_bytes = 0
         self._room = trio.lowlevel.ParkingLot()
         self._writer = trio.lowlevel.ParkingLot()
         self.closed = False
+        # Called (no arguments) whenever a producer is about to wait for room.
+        self.on_wait = on_wait
 
     def __len__(self) -> int:
         return len(self._frames)
 
+    @property
+    def congested(self) -> bool:
+        """Whether some producer waits for room."""
+        return bool(self._room)
+
     async def put(self, frame: bytes) -> None:
         """Queue a counted frame, waiting for a free place and room for its bytes."""
         while self._free <= 0 or (self.num_bytes and self.num_bytes + len(frame) > self._max_bytes):
-            await self._room.park()
+            self.num_waiting_bytes += len(frame)
+            try:
+                if self.on_wait is not None:
+                    self.on_wait()
+                await self._room.park()
+            finally:
+                self.num_waiting_bytes -= len(frame)
         self._free -= 1
         self.num_bytes += len(frame)
         self._frames.append((frame, True))
@@ -352,6 +368,7 @@ class Outbox:
         """Drop every queued frame (the connection is being evicted)."""
         self._frames.clear()
         self.num_bytes = 0
+        self.on_wait = None
 
     async def take(self) -> tuple[list[bytes], int, int] | None:
         """The next frames to write (joined up to a batch size), how many of them
@@ -415,6 +432,8 @@ class Front:
         self._trim_pending = False
         self._workers = trio.CapacityLimiter(_WORKER_THREADS)
         self._scratch: memoryview | None = None
+        # Connections some of whose streams wait for room in their outbox.
+        self.congested: set[Connection] = set()
 
     @property
     def scratch(self) -> memoryview:
@@ -630,6 +649,7 @@ class Front:
     def unregister(self, conn: Connection) -> None:
         """A connection closed."""
         del self.connections[conn.conn_id]
+        self.congested.discard(conn)
         self.metrics.on_connection(-1)
         self.metrics.on_connection_closed(conn.close_reason)
         if not self.connections:
@@ -650,6 +670,17 @@ class Front:
             _malloc_trim(0)
         else:
             self._trim_pending = True
+
+    def check_congested(self) -> None:
+        """Close every congested connection that holds more than `max_unsent_bytes`
+        for its client (forgetting those no longer congested). The server calls it
+        after every engine step, when a waiting stream's output grows; the watchdog
+        calls it too."""
+        for conn in list(self.congested):
+            if conn.congested:
+                conn.check_unsent()
+            else:
+                self.congested.discard(conn)
 
     async def wait_connections_gone(self) -> None:
         """Wait until no connection is open."""
@@ -675,6 +706,7 @@ class Front:
                 await trio.sleep(min(timeout / _WATCHDOG_CHECKS, _TRIM_INTERVAL_S))
                 if self._trim_pending:
                     self._trim_heap()
+                self.check_congested()
                 now = trio.current_time()
                 for conn in list(self.connections.values()):
                     started = conn.send_started_s
@@ -709,7 +741,8 @@ class Connection:
         self.num_protocol_errors = 0
         self.close_reason = "closed"
         self._final: Error | None = None
-        self._outbox = Outbox(self.config.output_queue_frames, self.config.output_queue_bytes)
+        self._outbox = Outbox(self.config.output_queue_frames, self.config.output_queue_bytes,
+                              self._on_outbox_wait)
         # When the write in progress began (None: no write in progress); the
         # front's watchdog closes the connection if one lasts send_timeout_s.
         self.send_started_s: float | None = None
@@ -1079,6 +1112,41 @@ class Connection:
     async def send_frame(self, frame: bytes) -> None:
         """Queue an encoded frame, waiting while the outbox is full."""
         await self._outbox.put(frame)
+
+    # ---- clients that do not read ------------------------------------------------
+    @property
+    def congested(self) -> bool:
+        """Whether some stream waits for room in the outbox."""
+        return self._outbox.congested
+
+    def _on_outbox_wait(self) -> None:
+        self.front.congested.add(self)
+        self.check_unsent()
+
+    def unsent_bytes(self) -> int:
+        """What is held for this client that the kernel has not taken: the outbox
+        (with the write under way), the frames waiting for room in it, and the output
+        its streams' sources hold back meanwhile (`pending_output_bytes`)."""
+        outbox = self._outbox
+        return outbox.num_bytes + outbox.num_waiting_bytes + self.pending_output_bytes()
+
+    def pending_output_bytes(self) -> int:
+        """Wire bytes (an estimate) of the output this connection's streams have not
+        taken from where it is made; subclasses that can see it say."""
+        return 0
+
+    def check_unsent(self) -> None:
+        """Close the connection at once if it holds more than `max_unsent_bytes`."""
+        limit = self.config.max_unsent_bytes
+        if limit is None or self.close_reason == "overflow":
+            return
+        unsent = self.unsent_bytes()
+        if unsent > limit:
+            _log.warning("connection %d from %s: %d bytes wait for a client that is not reading "
+                         "(max_unsent_bytes=%d); closing it and aborting its %d requests",
+                         self.conn_id, self.peer, unsent, limit, len(self.streams))
+            self._outbox.clear()
+            self.close_now("overflow")
 
     def evict_slow_consumer(self) -> None:
         """The client has not taken a frame for send_timeout_s: close the connection

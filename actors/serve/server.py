@@ -12,8 +12,11 @@ is where a Generate goes: one task per live stream iterates the engine's
 Why a slow client cannot stall anything else: the request actor coalesces a
 stream's deltas while its consumer waits, so a stream task blocked on a full
 output queue costs the engine nothing; the queue is bounded
-(`output_queue_frames`, `output_queue_bytes`); and a socket write that makes no progress for
-`send_timeout_s` closes the connection, which aborts its requests. Closing a
+(`output_queue_frames`, `output_queue_bytes`); a client for which more than
+`max_unsent_bytes` wait (queued frames and the tokens its waiting streams pile
+up, looked at after every engine step) is closed at once, and a socket write that
+makes no progress for `send_timeout_s` closes the connection too; closing aborts
+its requests. Closing a
 connection, for whatever reason, cancels its stream tasks in one go, and each
 cancelled stream aborts its request synchronously, so all of a connection's
 requests are aborted before the scheduler plans its next step.
@@ -124,6 +127,23 @@ class _StreamState(StreamState):
     tenant: str = attrs.field(kw_only=True)
     request_id: str = attrs.field(kw_only=True)
     started: bool = False
+    request_stream: RequestStream | None = None
+    # Estimated wire bytes of each token it has not sent yet (see `_wire_bytes_per_token`).
+    bytes_per_token: int = 0
+
+
+# Wire bytes of one token of an Output frame, to estimate output not yet sent: its id
+# (at most a msgpack uint32, 5 bytes) and its text (at most the tokenizer's bytes per
+# token); with log-probabilities, a [token id, float64] pair (1 + 5 + 9 bytes) for the
+# token and for each alternative.
+_TOKEN_ID_WIRE_BYTES = 5
+_LOGPROB_WIRE_BYTES = 15
+
+
+def _wire_bytes_per_token(message: Generate, max_bytes_per_token: int | None) -> int:
+    logprobs = message.params.logprobs
+    return (_TOKEN_ID_WIRE_BYTES + (max_bytes_per_token or 0)
+            + (0 if logprobs is None else (logprobs + 1) * _LOGPROB_WIRE_BYTES))
 
 
 class Server(Front):
@@ -151,6 +171,21 @@ class Server(Front):
         self._grace_scope = trio.CancelScope()
         self._stopped = trio.Event()
         self.welcome_frame = pack_frame(encode(self._make_welcome()))
+        self._listen_to_steps(engine)
+
+    def _listen_to_steps(self, engine: Engine) -> None:
+        """After every engine step, look at the connections whose streams wait for
+        room (`check_congested`): their requests' output grows with each step, and a
+        client that does not read is closed as soon as it holds too much."""
+        previous = engine.scheduler.on_step
+
+        def on_step(plan, now_s: float) -> None:
+            if previous is not None:
+                previous(plan, now_s)
+            if self.congested:
+                self.check_congested()
+
+        engine.scheduler.on_step = on_step
 
     # ---- lifecycle ---------------------------------------------------------------
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -308,9 +343,16 @@ class _ServerConnection(Connection):
                 await self.send(Error(ErrorCode.INVALID_REQUEST.value, str(exc), stream=message.stream))
                 return
         state = _StreamState(message.stream, tenant=message.tenant,
-                             request_id=server.next_request_id(self.conn_id))
+                             request_id=server.next_request_id(self.conn_id),
+                             bytes_per_token=_wire_bytes_per_token(
+                                 message, server.request_limits.max_bytes_per_token))
         server.stream_started(state)
         self.add_stream(state, self._run_stream, message)
+
+    def pending_output_bytes(self) -> int:
+        """The output the engine holds for this connection's streams (estimated)."""
+        return sum(state.request_stream.num_undelivered_tokens * state.bytes_per_token
+                   for state in self.streams.values() if state.request_stream is not None)
 
     async def abort_stream(self, state: _StreamState) -> None:
         """Abort the engine request (once it has one; `_run_stream` sees the flag otherwise)."""
@@ -327,6 +369,7 @@ class _ServerConnection(Connection):
             message.prompt, message.params, priority=message.priority, tenant=message.tenant,
             deadline_s=message.deadline_s, request_id=state.request_id, timeout_s=message.timeout_s,
             cache_salt=message.cache_salt)
+        state.request_stream = request_stream
         error: Error | None = None
         try:
             with state.scope:
@@ -506,6 +549,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     limits.add_argument("--output-queue-frames", type=int, default=defaults.output_queue_frames,
                         help="frames queued for a slow client before its streams wait "
                              "(default: %(default)s)")
+    limits.add_argument("--max-unsent-bytes", type=int, default=defaults.max_unsent_bytes,
+                        help="bytes held for a client that is not reading (queued output and "
+                             "what its streams pile up) before it is closed; 0: only "
+                             "--send-timeout-s (default: %(default)s)")
     limits.add_argument("--shutdown-grace-s", type=float, default=defaults.shutdown_grace_s,
                         help="seconds running requests get to finish after SIGINT or SIGTERM "
                              "(default: %(default)s)")
@@ -560,6 +607,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_protocol_errors=args.max_protocol_errors,
         idle_timeout_s=args.idle_timeout_s or None, handshake_timeout_s=args.handshake_timeout_s,
         send_timeout_s=args.send_timeout_s, output_queue_frames=args.output_queue_frames,
+        max_unsent_bytes=args.max_unsent_bytes or None,
         shutdown_grace_s=args.shutdown_grace_s, metrics_host=args.metrics_host,
         metrics_port=args.metrics_port)
 

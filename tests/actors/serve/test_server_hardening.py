@@ -17,8 +17,11 @@ from cadence.actors.wire import (
     Error, Generate, HealthQuery, HealthReply, Output, SamplingParams, decode_request, pack_frame,
 )
 
+from cadence.statemachine.errors import ConfigError
+
 from test_server_support import (
-    SLOW_STEP, WAIT_S, RawConnection, engine_config, server_config, settled, wait_until,
+    SLOW_STEP, WAIT_S, RawConnection, engine_config, expected_tokens, server_config, settled,
+    wait_until,
 )
 
 
@@ -238,3 +241,35 @@ async def test_a_text_prompt_too_long_for_any_request_is_dropped_unread(monkeypa
         assert max(decoded) > fits
         await conn.aclose()
         await settled(server)
+
+
+async def test_a_client_that_never_reads_is_closed_once_it_holds_max_unsent_bytes(caplog):
+    """Long before its send timeout (an hour here): once what the server holds for
+    the client (queued frames, and the tokens its waiting streams pile up in the
+    engine) passes max_unsent_bytes, the connection is closed, its requests are
+    aborted and every block comes back; another client is served all along."""
+    limit = 32_768
+    config = server_config(send_timeout_s=3600.0, output_queue_frames=4, output_queue_bytes=4096,
+                           max_unsent_bytes=limit)
+    async with open_server(engine_config(SLOW_STEP), config, metrics=True) as server:
+        hog = await RawConnection.greeted(server, rcvbuf=4096)
+        for sid in range(16):
+            await hog.send(Generate(sid, [1] * 8, SamplingParams(max_tokens=8000, ignore_eos=True)))
+        async with open_client(server.tcp_address) as client:
+            with trio.fail_after(WAIT_S):
+                while len(server.connections) == 2:
+                    result = await client.complete([4, 5], max_tokens=8, ignore_eos=True)
+                    assert result.token_ids == expected_tokens(result.request_id, 2, 8)
+            # The hog was closed long before its requests came near their max_tokens.
+            assert server.engine.stats().num_tokens_generated < 16 * 8000 // 2
+            await settled(server)
+        body = server.metrics.exposition().decode()
+        assert 'cadence_connections_closed_total{reason="overflow"} 1.0' in body
+        assert any("not reading" in r.message and "max_unsent_bytes=32768" in r.message
+                   for r in caplog.records)
+        await hog.aclose()
+
+
+def test_max_unsent_bytes_must_hold_the_outbox():
+    with pytest.raises(ConfigError, match="max_unsent_bytes must be >= output_queue_bytes"):
+        server_config(output_queue_bytes=4096, max_unsent_bytes=1024)
