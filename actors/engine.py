@@ -137,7 +137,8 @@ class EngineConfig:
       for each failure in a row (with jitter from `seed`) up to the maximum.
     heartbeat_timeout_s: an executor child process that sends no heartbeat for
       this long while it works (stopped, frozen) counts as failed; None: only
-      `step_timeout_s` applies.
+      `step_timeout_s` applies. An executor in this process has no heartbeat:
+      `step_timeout_s` is its guard (see `InProcessExecutor`).
     plan_ahead: plan step N+1 while step N runs when that cannot split the batch.
     max_stop_strings, max_stop_chars: most stop strings one request may carry,
       and most characters in each (requests over them are refused).

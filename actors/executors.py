@@ -192,6 +192,17 @@ class InProcessExecutor:
     cadence.gpu's ModelRunner). With round_trip=True every message is encoded
     and decoded on the way, as it would be across a process boundary, to test
     that both backends see the same thing.
+
+    It has no heartbeat, and `step_timeout_s` is its guard against a hang. A
+    heartbeat shows that another process still works (a stopped or frozen child
+    stops sending it); here there is no other process. If this process is stopped,
+    nothing of it runs to notice, the event loop included; if only the model thread
+    hangs (a driver or kernel that never returns), a beating helper thread would go
+    on beating and prove nothing. What a hung model thread does show is a step that
+    does not return, and that is what `step_timeout_s` bounds. A thread cannot be
+    killed, so a timed-out step's thread is abandoned (`kill`) and the restarted
+    runner gets a fresh one. A model that may hang is better run with
+    executor="process": its child is watched by heartbeats and can be killed.
     """
 
     def __init__(self, runner_factory: RunnerFactory = build_runner, *, round_trip: bool = False) -> None:
