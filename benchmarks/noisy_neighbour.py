@@ -18,8 +18,10 @@ tokens). The abusers take turns at three kinds of abuse, cycling:
   ever matches, so each is checked against every token;
 - prompt: text prompts of `--prompt-bytes` bytes (just under the frame limit),
   over and over (refused as too long, after the server has read them);
-- silent: a connection that starts `--silent-streams` long streams and never
-  reads (the server buffers, then evicts it after its send timeout).
+- silent: a connection that starts `--silent-streams` streams as long as the
+  model allows and never reads after the Welcome (the server holds their output,
+  then closes the connection once it holds `max_unsent_bytes`, or after its send
+  timeout).
 
 Client and server share the machine's cores; `cpus` in each line says how many.
 `--elsewhere` points the abusers at a second server process instead: the
@@ -44,12 +46,17 @@ import trio
 
 from cadence.actors.client import open_client
 from server_child import serve_child
-from cadence.actors.wire import Generate, Hello, SamplingParams, ServerError, encode, pack_frame
+from cadence.actors.wire import (
+    MAX_REPLY_FRAME_BYTES, FrameBuffer, Generate, Hello, SamplingParams, ServerError, decode_reply,
+    encode, pack_frame,
+)
 
 # Printable ASCII: what the simulated executor samples with the byte tokenizer.
 _FIRST_PRINTABLE, _NUM_PRINTABLE = 32, 95
-# Bytes of the socket receive buffer of a client that never reads.
+# Bytes of the socket receive buffer of a client that never reads, and the prompt
+# of each of its requests.
 _SILENT_RCVBUF = 4096
+_SILENT_PROMPT_TOKENS = 32
 _WAIT_S = 120.0
 # The most a p99 may grow next to the abusers (with / alone).
 _TARGET = 1.5
@@ -110,9 +117,14 @@ async def _abuse_silent(address, args, done: trio.Event) -> None:
         stream = trio.SocketStream(sock)
         try:
             await stream.send_all(pack_frame(encode(Hello(client="silent"))))
+            # The one frame it reads: the Welcome, for the longest request that is
+            # not refused (a refused one would hold nothing on the server).
+            welcome = await _first_frame(stream)
+            max_tokens = welcome.max_model_len - _SILENT_PROMPT_TOKENS
             for sid in range(args.silent_streams):
                 await stream.send_all(pack_frame(encode(Generate(
-                    sid, [_FIRST_PRINTABLE] * 32, SamplingParams(max_tokens=100_000, ignore_eos=True)))))
+                    sid, [_FIRST_PRINTABLE] * _SILENT_PROMPT_TOKENS,
+                    SamplingParams(max_tokens=max_tokens, ignore_eos=True)))))
             # Never read; wait until the server gives up on us (or the run ends).
             with trio.move_on_after(_WAIT_S):
                 await done.wait()
@@ -120,6 +132,16 @@ async def _abuse_silent(address, args, done: trio.Event) -> None:
             pass
         finally:
             await stream.aclose()
+
+
+async def _first_frame(stream: trio.SocketStream):
+    buffer = FrameBuffer(MAX_REPLY_FRAME_BYTES)
+    while (frame := buffer.next_frame()) is None:
+        data = await stream.receive_some(_SILENT_RCVBUF)
+        if not data:
+            raise trio.BrokenResourceError("the server closed before its Welcome")
+        buffer.feed(data)
+    return decode_reply(frame)
 
 
 _ABUSE = {"stop": _abuse_stop, "prompt": _abuse_prompt, "silent": _abuse_silent}
@@ -165,15 +187,37 @@ def _serve(args):
     return serve_child("--sim-step-us", str(args.step_us), "--log-level", "error", num_signals=2)
 
 
+def _cpu_s(pid: int) -> float | None:
+    """CPU seconds (user and system) a process has used so far; None where /proc is missing."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    # After the command name: state is field 3, utime and stime fields 14 and 15.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _run(args, num_abusers: int) -> dict:
+    """One scenario; with CPU seconds each process spent while the clients ran (the
+    well-behaved clients' server, the abusers' process and, with --elsewhere, their
+    server), to tell the server's own work from the abuse's share of the cores."""
     with _serve(args) as child, ExitStack() as stack:
-        abusers = None
+        abusers = other = None
         try:
             if num_abusers:
-                target = stack.enter_context(_serve(args)) if args.elsewhere else child
-                abusers = _start_abusers(target.tcp, args)
+                other = stack.enter_context(_serve(args)) if args.elsewhere else None
+                abusers = _start_abusers((other or child).tcp, args)
                 time.sleep(args.warmup_s)  # let the abuse reach its steady state
-            return trio.run(_scenario, child.tcp, args)
+            pids = {"server": child.process.pid, "abusers": abusers and abusers.pid,
+                    "abusers_server": other and other.process.pid}
+            before = {name: _cpu_s(pid) for name, pid in pids.items() if pid}
+            result = trio.run(_scenario, child.tcp, args)
+            for name, start in before.items():
+                end = _cpu_s(pids[name])
+                if start is not None and end is not None:
+                    result[f"{name}_cpu_s"] = round(end - start, 3)
+            return result
         finally:
             if abusers is not None:
                 abusers.kill()

@@ -6,8 +6,10 @@ socket), the accept loop (with a clean refusal when the process runs out of
 file descriptors), the connection registry and its limit, the handshake, the
 reader with its deadlines, bad-message handling and the protocol-error limit,
 the per-stream checks every Generate passes (draining, duplicate id, streams
-per connection), the bounded outbox and its writer, the watchdog that evicts
-clients that do not read, and the linger before a close.
+per connection), text prompts too long for any request dropped as they arrive,
+large per-request work sent to worker threads, the bounded outbox and its
+writer, the closing of clients that do not read (`max_unsent_bytes`, and the
+watchdog's `send_timeout_s`), and the linger before a close.
 
 What differs lives in the subclasses: where a Generate goes (the engine, or a
 replica), how an Abort reaches it, and how Stats and Health are answered.
@@ -44,15 +46,15 @@ from ..engine import OFF_LOOP_PROMPT_CHARS
 from ..framing import HEADER_BYTES, MAX_FRAME_BYTES
 from ..validation import check_prompt_num_bytes
 from ..wire import (
-    DEFAULT_MAX_REQUEST_FRAME_BYTES, EMPTY_STR, Abort, Error, ErrorCode, FrameBuffer, FrameTooLargeError, Generate, HealthQuery, Hello,
-    MessageError, StatsQuery, decode_request, encode, pack_frame, text_prompt_span,
+    DEFAULT_MAX_REQUEST_FRAME_BYTES, EMPTY_STR, Abort, Error, ErrorCode, FrameBuffer,
+    FrameTooLargeError, Generate, HealthQuery, Hello, MessageError, StatsQuery, decode_request,
+    encode, pack_frame, text_prompt_span,
 )
 from .metrics import NullMetrics
 
 __all__ = ["ConnectionConfig", "Front", "Connection", "StreamState", "Outbox", "Fatal", "fatal", "refuse",
-           "tokens_match", "DEFAULT_MAX_UNSENT_BYTES",
-           "bare_errors",
-           "positive", "port_number", "DEFAULT_OUTPUT_QUEUE_BYTES", "DEFAULT_REFUSED_BYTES_PER_S"]
+           "tokens_match", "bare_errors", "positive", "port_number", "DEFAULT_OUTPUT_QUEUE_BYTES",
+           "DEFAULT_MAX_UNSENT_BYTES", "DEFAULT_REFUSED_BYTES_PER_S"]
 
 _log = logging.getLogger("cadence.connection")
 
@@ -400,11 +402,8 @@ class Front:
     """The listening side shared by the server and the router: listeners, the
     accept loop, the connection registry, the token check and the watchdog.
 
-    Subclasses set `welcome_frame` and implement `make_connection`. `config`
-    must have the connection limits (`host`, `port`, `unix_path`, `token`,
-    `max_connections`, `max_frame_bytes`, `max_inflight_per_connection`,
-    `max_protocol_errors`, `idle_timeout_s`, `handshake_timeout_s`,
-    `send_timeout_s`, `output_queue_frames`, `output_queue_bytes`).
+    Subclasses set `welcome_frame` and implement `make_connection`; `config` is
+    a `ConnectionConfig` (or a subclass of it).
     """
 
     #: How the front names itself in refusals ("server", "router").
