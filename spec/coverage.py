@@ -93,6 +93,12 @@ def _over_budget(config: SchedulerConfig, scope) -> bool:
     return config.batch_size_limit > config.max_num_batched_tokens
 
 
+def _forks(config: SchedulerConfig, scope) -> bool:
+    """Whether the scope submits request groups whose prompts have a block to share."""
+    shapes = getattr(scope, "shapes", None)
+    return shapes is None or any(getattr(s, "n", 1) > 1 and len(s.prompt) > 1 for s in shapes)
+
+
 def _chunks(config: SchedulerConfig, scope) -> bool:
     shapes = getattr(scope, "shapes", None)
     longest = max((len(s.prompt) for s in shapes), default=0) if shapes else None
@@ -130,6 +136,15 @@ for _family in (
     Family("memo.hit", "a remembered failed pass stands: the admission pass is skipped", _memo),
     Family("memo.miss.released", "a remembered pass is retried: blocks were released", _memo),
     Family("memo.miss.window", "a remembered pass is retried: its retry window ran out", _memo),
+    Family("fork.wait", "a request of a group waits while a sibling computes the shared prompt",
+           _forks),
+    Family("fork.share", "a request of a group is admitted holding the prompt blocks a sibling "
+           "computed", _forks),
+    Family("fork.lead_again", "a request of a group computes the shared prompt although a sibling "
+           "was admitted before it (and went back to waiting, or was lost with the executor)",
+           _forks),
+    Family("fork.preempt_shared", "a request holding prompt blocks its siblings hold too is "
+           "preempted; they keep the blocks", _forks),
 ):
     register(_family)
 # Overlapped plans register their families here (e.g. "overlap.request_in_two_plans"
@@ -160,8 +175,33 @@ def _wrap_preempt(real):
             _hit("preempt.grow_self")
         else:
             _hit("preempt.grow_other")
+        if _holds_shared(self, victim):
+            _hit("fork.preempt_shared")
         return real(self, victim, *args, **kwargs)
     return _preempt
+
+
+def _wrap_sibling_prefix(real):
+    def _sibling_prefix(self, request, hits):
+        got = real(self, request, hits)
+        if got is None:
+            _hit("fork.wait")
+        elif got is not hits:
+            _hit("fork.share")
+        elif len(hits) * self.blocks.block_size < request.group.num_shared_tokens and any(
+                m is not request and m.first_scheduled_s is not None for m in request.group.members):
+            _hit("fork.lead_again")
+        return got
+    return _sibling_prefix
+
+
+def _holds_shared(s: Scheduler, request) -> bool:
+    """Whether `request` holds prompt blocks of its group that a sibling holds too."""
+    group = getattr(request, "group", None)
+    tables = s.blocks.tables
+    table = tables.get(request.request_id)
+    return bool(group is not None and table and any(
+        m is not request and tables.get(m.request_id, [None])[0] == table[0] for m in group.members))
 
 
 def _wrap_admit(real):
@@ -181,7 +221,7 @@ def _wrap_grow(real):
 
 
 _WRAPPED = ((Scheduler, "_preempt", _wrap_preempt), (Scheduler, "_admit", _wrap_admit),
-            (BlockManager, "grow", _wrap_grow))
+            (BlockManager, "grow", _wrap_grow), (Scheduler, "_sibling_prefix", _wrap_sibling_prefix))
 
 
 @contextlib.contextmanager

@@ -42,20 +42,24 @@ RUNNING = RequestState.RUNNING
 
 @attrs.frozen
 class Shape:
-    """A request the environment may submit: prompt, output limit, priority, tenant."""
+    """A request the environment may submit: prompt, output limit, priority,
+    tenant; with `n` > 1, a group of that many with the one prompt (`add_group`)."""
 
     prompt: tuple[int, ...]
     max_tokens: int
     priority: int = 0
     tenant: str = "a"
     deadline_after_s: float | None = None
+    n: int = 1
 
     def kwargs(self) -> dict:
-        """The keyword arguments of `Harness.add` for this shape."""
+        """The keyword arguments of `Harness.add` (or `add_group`) for this shape."""
         out = {"prompt": self.prompt, "max_tokens": self.max_tokens,
                "priority": self.priority, "tenant": self.tenant}
         if self.deadline_after_s is not None:
             out["deadline_after_s"] = self.deadline_after_s
+        if self.n > 1:
+            out["n"] = self.n
         return out
 
 
@@ -76,6 +80,7 @@ class Scope:
     admission_retry_steps: the admission memo's retry window for this
       exploration (the core's constant is patched while it runs), so that the
       window runs out within a few steps; None keeps the core's.
+    prefix_caching: the cache's `enable_prefix_caching`.
     """
 
     name: str = "small"
@@ -107,6 +112,7 @@ class Scope:
     duplicates: bool = False
     max_depth: int | None = None
     admission_retry_steps: int | None = None
+    prefix_caching: bool = True
 
     def configs(self, policy: str) -> tuple[SchedulerConfig, CacheConfig]:
         """The scheduler and cache configuration this scope explores for `policy`."""
@@ -115,7 +121,8 @@ class Scope:
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len, policy=policy,
             **{k: v for k, v in self.config_overrides.items() if k in known})
-        return config, CacheConfig(num_blocks=self.num_blocks, block_size=self.block_size)
+        return config, CacheConfig(num_blocks=self.num_blocks, block_size=self.block_size,
+                                   enable_prefix_caching=self.prefix_caching)
 
     def horizon(self, config: SchedulerConfig) -> int:
         """Ticks beyond which arrival gaps cannot change any decision of the built-in policies."""
@@ -226,7 +233,10 @@ def canonical_key(h: Harness, horizon: int, counter_cap: float = float("inf"),
     reqs = []
     for rid in names:
         r = requests[rid]
+        group = getattr(r, "group", None)
         reqs.append((
+            # Its group, named by the first member's position.
+            None if group is None else min(pos[m.request_id] for m in group.members),
             r.fsm.state is RUNNING, r.prompt_token_ids, tuple(r.output_token_ids), r.limits,
             r.priority, r.tenant, None if r.deadline_s is None else r.deadline_s - r.arrival_s,
             ages[r.arrival_s], r.num_computed_tokens, r.num_preemptions > 0, r.num_skips,
@@ -319,7 +329,8 @@ def apply_move(h: Harness, move: Move, names: list[str], scope: Scope) -> bool:
     """Make the move on `h`; False if it changed nothing (a refused submission)."""
     kind = move[0]
     if kind == "add":
-        return h.add(None, **scope.shapes[move[1]].kwargs())
+        shape = scope.shapes[move[1]]
+        return h.add_group(**shape.kwargs()) if shape.n > 1 else h.add(None, **shape.kwargs())
     if kind == "abort":
         h.abort(names[move[1]])
     elif kind == "fail":
@@ -524,9 +535,14 @@ def _successors(h: Harness, names: list[str], scope: Scope, checker: StepChecker
 
     if live < scope.max_live:
         for k, shape in enumerate(scope.shapes):
-            def add_check(h2):
-                request = h2.scheduler.requests[f"r{h2.num_added - 1}"]
-                return checker.check_add(before, checker.state(h2), request)
+            if live + shape.n > scope.max_live:
+                continue
+
+            def add_check(h2, n=shape.n):
+                added = [h2.scheduler.requests[f"r{h2.num_added - n + i}"] for i in range(n)]
+                if n > 1:
+                    return checker.check_add_group(before, checker.state(h2), added)
+                return checker.check_add(before, checker.state(h2), added[0])
             got = after_simple(("add", k), add_check)
             if got is not None:
                 yield got
@@ -628,8 +644,9 @@ def replay(exploration: Exploration, moves: list[Move], *, checked: bool = True)
 def _call(h: Harness, move: Move, names: list[str], scope: Scope) -> str:
     kind = move[0]
     if kind == "add":
-        args = ", ".join(f"{k}={v!r}" for k, v in scope.shapes[move[1]].kwargs().items())
-        return f"h.add({h.fresh_id()!r}, {args})"
+        shape = scope.shapes[move[1]]
+        args = ", ".join(f"{k}={v!r}" for k, v in shape.kwargs().items())
+        return f"h.add_group({args})" if shape.n > 1 else f"h.add({h.fresh_id()!r}, {args})"
     if kind in ("abort", "fail"):
         return f"h.{kind}({names[move[1]]!r})"
     if kind == "lost":

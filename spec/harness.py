@@ -25,7 +25,7 @@ from cadence.statemachine.errors import InvalidRequestError, QueueFullError
 from cadence.statemachine.fsm import RequestEventKind
 from cadence.statemachine.plan import StepPlan, StepResult
 from cadence.statemachine.policy import FairPolicy, KeyedPolicy, SchedulingPolicy
-from cadence.statemachine.request import Request, SamplingLimits
+from cadence.statemachine.request import Request, RequestGroup, SamplingLimits
 from cadence.statemachine.scheduler import Scheduler
 
 from .trace import TraceRecorder
@@ -116,6 +116,31 @@ class Harness:
             return False
         self._record(self.tick, rid, "add", prompt_len=len(prompt), max_tokens=max_tokens,
                      priority=priority, tenant=tenant)
+        return True
+
+    def add_group(self, prompt: Sequence[int] = (1, 2, 3), n: int = 2, max_tokens: int = 2, *,
+                  priority: int = 0, tenant: str = "a", deadline_after_s: float | None = None,
+                  min_tokens: int = 0, ignore_eos: bool = False) -> bool:
+        """Submit `n` requests with one prompt as a group (`Scheduler.add_group`),
+        arriving now, with fresh ids; False (nothing changes) if the core refuses them."""
+        limits = SamplingLimits(max_tokens=max_tokens, min_tokens=min_tokens,
+                                ignore_eos=ignore_eos, eos_token_ids=frozenset({EOS_TOKEN}))
+        now = float(self.tick)
+        deadline = None if deadline_after_s is None else now + deadline_after_s
+        requests = []
+        for _ in range(n):
+            requests.append(Request(self.fresh_id(), list(prompt), limits, priority=priority,
+                                    tenant=tenant, deadline_s=deadline, arrival_s=now))
+            self.num_added += 1
+        try:
+            self.scheduler.add_group(requests)
+        except (QueueFullError, InvalidRequestError):
+            return False
+        group = requests[0].group
+        extra = {} if group is None else {"group": group.group_id}
+        for request in requests:
+            self._record(self.tick, request.request_id, "add", prompt_len=len(prompt),
+                         max_tokens=max_tokens, priority=priority, tenant=tenant, **extra)
         return True
 
     def abort(self, request_id: str) -> None:
@@ -258,6 +283,7 @@ def clone_scheduler(s: Scheduler, *, stats: bool = True) -> Scheduler:
         if name in d:
             nd[name] = d[name]
     rmap = {id(r): _clone_request(r) for r in s.requests.values()}
+    _clone_groups(rmap.values(), rmap)
     nd["requests"] = {rid: rmap[id(r)] for rid, r in s.requests.items()}
     nd["running"] = [rmap[id(r)] for r in s.running]
     nd["policy"] = _clone_policy(s.policy, rmap, s.config)
@@ -300,6 +326,20 @@ def _clone_request(r: Request) -> Request:
     new.block_hashes = list(r.block_hashes)
     new.fsm = _clone_fsm(r.fsm)
     return new
+
+
+def _clone_groups(requests, rmap: dict) -> None:
+    """Give copied requests copies of their groups, listing the copied members."""
+    groups: dict[int, RequestGroup] = {}
+    for r in requests:
+        group = r.group
+        if group is None:
+            continue
+        new = groups.get(id(group))
+        if new is None:
+            new = groups[id(group)] = RequestGroup(
+                group.group_id, [rmap.get(id(m), m) for m in group.members], group.num_shared_tokens)
+        r.group = new
 
 
 def _clone_fsm(fsm):

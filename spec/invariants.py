@@ -5,6 +5,8 @@ State invariants (items 1-8 on one state) are defined once, in
 ones that need a plan, a transition or a whole event sequence:
 
 - `plan_within_budget` (item 7, per plan), re-exported;
+- `group_prompt_computed_once` (per plan, re-exported): a request group's
+  shared prompt blocks are computed by one member while the others wait;
 - `plan_gives_every_request_a_token`: a request in a plan is scheduled for at
   least one token (a plan made at zero budget must leave it out);
 - `inflight_within_budget` (item 7 with several plans in flight): every plan
@@ -26,8 +28,8 @@ from typing import Callable, Iterable, Mapping
 from cadence.statemachine import fsm
 from cadence.statemachine.invariants import (
     STATE_INVARIANTS, InvariantViolation, blocks_partition, cached_hashes_consistent,
-    check_scheduler, completed_hold_nothing_running_hold_enough, limits_respected,
-    plan_within_budget, queues_partition, refcounts_match_tables, violations,
+    check_scheduler, completed_hold_nothing_running_hold_enough, group_prompt_computed_once,
+    groups_share_prompt_blocks, limits_respected, plan_within_budget, queues_partition, refcounts_match_tables, violations,
 )
 
 from .reference import COMPLETED, EDGES, PENDING, REASONS, RUNNING, RefState
@@ -36,6 +38,7 @@ __all__ = [
     "STATE_INVARIANTS", "PLAN_INVARIANTS", "TRACE_INVARIANTS", "InvariantViolation",
     "blocks_partition", "refcounts_match_tables", "cached_hashes_consistent",
     "completed_hold_nothing_running_hold_enough", "queues_partition", "limits_respected",
+    "groups_share_prompt_blocks", "group_prompt_computed_once",
     "plan_within_budget", "violations", "check_scheduler", "transition_events",
     "fcfs_within_class", "table_edges_only", "completed_exactly_once",
     "core_table_matches_design", "trace_violations", "plan_gives_every_request_a_token",
@@ -80,7 +83,8 @@ def inflight_within_budget(s, plans) -> list[str]:
 
 
 PLAN_INVARIANTS = {"plan_within_budget": plan_within_budget,
-                   "plan_gives_every_request_a_token": plan_gives_every_request_a_token}
+                   "plan_gives_every_request_a_token": plan_gives_every_request_a_token,
+                   "group_prompt_computed_once": group_prompt_computed_once}
 """Predicates over one plan as made: (scheduler, plan) -> messages."""
 
 INFLIGHT_INVARIANTS = {"inflight_within_budget": inflight_within_budget}
@@ -203,7 +207,9 @@ def fcfs_within_class(records: Iterable[dict], block_size: int, *,
 
     The trace carries no block counts, so "could not fit" is bounded from token
     counts: the earlier request needs at most ceil(tokens / block_size) blocks,
-    the later one at least that minus its possible prefix-cache hits. A
+    the later one at least that minus its possible prefix-cache hits. A member
+    of a request group (an add record's optional "group") may wait while a
+    sibling runs: it waits for the prompt blocks the sibling computes. A
     violation reported here is therefore certain; a subtle one may pass.
     """
     class_of = class_of or (lambda add: (add["priority"], add["tenant"]))
@@ -213,11 +219,14 @@ def fcfs_within_class(records: Iterable[dict], block_size: int, *,
     phase: dict[str, str] = {}
     preempted_in: dict[str, int] = {}
     admitted_in: dict[str, set] = {}
+    members: dict[str, list[str]] = {}
     suspects = []
     for rec in records:
         rid, ev, step = rec["request_id"], rec["event"], rec["step"]
         if ev == "add":
             adds[rid], ntok[rid], phase[rid] = rec, rec["prompt_len"], PENDING
+            if rec.get("group") is not None:
+                members.setdefault(rec["group"], []).append(rid)
             continue
         if ev in ("tokens", "finish"):
             ntok[rid] = ntok.get(rid, 0) + len(rec.get("tokens") or ())
@@ -235,6 +244,8 @@ def fcfs_within_class(records: Iterable[dict], block_size: int, *,
                     continue
                 if not chunked_prefill and ntok[aid] > ntok[rid]:
                     continue
+                if any(phase.get(x) == RUNNING for x in members.get(a.get("group"), ()) if x != aid):
+                    continue  # it waits for the prompt blocks a sibling computes
                 suspects.append((rec, aid, step))
         after = EDGES.get((phase.get(rid), ev))
         if after is not None:

@@ -69,6 +69,8 @@ class RefRequest:
     arrival_s: float
     deadline_s: float | None
     table: tuple[int, ...]
+    # The request group it was submitted in (`n` > 1), or None.
+    group: str | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -91,6 +93,16 @@ class RefState:
         for r in self.requests.values():
             for b in r.table:
                 out.setdefault(b, []).append(r.request_id)
+        return out
+
+    def computed(self, block_size: int) -> dict[int, tuple[int, ...]]:
+        """Block id -> the token prefix a running request has computed into it
+        (its full blocks up to its computed tokens), cached or not."""
+        out: dict[int, tuple[int, ...]] = {}
+        for r in self.requests.values():
+            if r.phase == RUNNING:
+                for i, b in enumerate(r.table[:r.num_computed_tokens // block_size]):
+                    out[b] = r.tokens[:(i + 1) * block_size]
         return out
 
 
@@ -129,11 +141,12 @@ class Abstraction:
         for rid, r in s.requests.items():
             self._learn(r.all_token_ids, r.cache_salt, bs)
             lim = r.limits
+            group = getattr(r, "group", None)
             requests[rid] = RefRequest(
                 rid, r.state.value, tuple(r.all_token_ids), r.num_prompt_tokens, lim.max_tokens,
                 lim.min_tokens, r.stop_token_set, r.num_computed_tokens, r.priority, r.tenant,
                 r.arrival_s, deadline_of(r) if deadline_of else r.deadline_s,
-                tuple(s.blocks.tables.get(rid, ())))
+                tuple(s.blocks.tables.get(rid, ())), None if group is None else group.group_id)
         contents = {}
         for b, key in enumerate(s.blocks.block_key):
             if key is not None:
@@ -181,6 +194,34 @@ class ReferenceSpec:
                 or self.blocks_for(total) > self.num_blocks or waiting >= c.max_waiting):
             return before
         return attrs.evolve(before, requests={**before.requests, r.request_id: r})
+
+    def add_group(self, before: RefState, group: list[RefRequest]) -> RefState:
+        """The state after a group of requests with one prompt is submitted: all
+        queued, or unchanged if any must be refused or the queue lacks room for all."""
+        c = self.config
+        waiting = sum(1 for x in before.requests.values() if x.phase == PENDING)
+        ids = [r.request_id for r in group]
+        if waiting + len(group) > c.max_waiting or len(set(ids)) != len(ids) or any(
+                r.request_id in before.requests or r.num_prompt_tokens + r.max_tokens > c.max_model_len
+                or self.blocks_for(r.num_prompt_tokens + r.max_tokens) > self.num_blocks
+                or r.tokens != group[0].tokens for r in group):
+            return before
+        return attrs.evolve(before, requests={**before.requests, **{r.request_id: r for r in group}})
+
+    def shared_tokens(self, r: RefRequest) -> int:
+        """The prompt tokens a group member may take from a sibling: its full
+        blocks, all but the block of its last token (0 outside a group)."""
+        if r.group is None:
+            return 0
+        return (r.num_prompt_tokens - 1) // self.block_size * self.block_size
+
+    def waits_for_sibling(self, state: RefState, r: RefRequest) -> bool:
+        """Whether a waiting group member may wait for a running sibling that is
+        still computing the group's shared prompt blocks."""
+        shared = self.shared_tokens(r)
+        return bool(shared) and any(
+            x.group == r.group and x.request_id != r.request_id and x.phase == RUNNING
+            and x.num_computed_tokens < shared for x in state.requests.values())
 
     def remove(self, before: RefState, request_id: str) -> RefState:
         """Abort or fail: the request is gone, its blocks are released, cached contents stay."""
@@ -247,11 +288,13 @@ class ReferenceSpec:
         if n < 1 or cached < 0 or cached % bs or cached > len(a.tokens) - 1:
             out.append(f"{rid}: admitted with {a.num_computed_tokens} computed after {n} scheduled")
             return out
+        computed = before.computed(bs)
         for i in range(cached // bs):
+            want = a.tokens[:(i + 1) * bs]
             held = before.contents.get(a.table[i])
-            if held != a.tokens[:(i + 1) * bs]:
+            if held != want and computed.get(a.table[i]) != want:
                 out.append(f"{rid}: prefix hit on block {a.table[i]} holding {held}, "
-                           f"wanted {a.tokens[:(i + 1) * bs]}")
+                           f"wanted {want}")
         if not self.config.enable_chunked_prefill and not self.config.long_prefill_token_threshold:
             if a.num_computed_tokens != len(a.tokens):
                 out.append(f"{rid}: prompt split although chunked prefill is off")
@@ -294,15 +337,20 @@ class ReferenceSpec:
         for b in fresh:
             if b in held_before and b not in releasable:
                 out.append(f"block {b} handed out while {held_before[b]} still hold it")
+        computed = after.computed(bs)
         for b, owners in held_after.items():
-            if len(owners) > 1 and any(
-                    after.contents.get(b) != _prefix_at(after.requests[o], b, bs) for o in owners):
-                out.append(f"block {b} shared by {owners} without matching cached contents")
+            if len(owners) < 2:
+                continue
+            prefixes = {_prefix_at(after.requests[o], b, bs) for o in owners}
+            known = after.contents.get(b, computed.get(b))
+            if len(prefixes) != 1 or known not in prefixes:
+                out.append(f"block {b} shared by {owners} without matching cached or computed contents")
         # A block a request took and then gave back, preempted later in the same step,
-        # was reused too: in a step that preempts, an unheld block may lose its contents.
+        # was reused too: in a step that preempts, a block unheld at its end (and unheld
+        # or released by a preemption at its start) may lose its contents.
         fresh_set = set(fresh)
-        transient = ({b for b in before.contents if b not in held_before and b not in held_after}
-                     if preempted else set())
+        transient = ({b for b in before.contents if (b not in held_before or b in releasable)
+                      and b not in held_after} if preempted else set())
         after_contents = dict(after.contents)
         changed = any(after_contents.get(b) != p for b, p in before.contents.items()
                       if b not in fresh_set and not (b in transient and b not in after_contents))
@@ -345,6 +393,8 @@ class ReferenceSpec:
                     continue
                 if self.blocks_for(len(a.tokens)) > min_need:
                     continue
+                if self.waits_for_sibling(before, a):
+                    continue  # it shares the blocks its sibling is computing, once computed
                 if not c.enable_chunked_prefill and len(a.tokens) > scheduled.get(bid, 0):
                     continue
                 out.append(f"{bid} admitted before {a.request_id} of the same class "

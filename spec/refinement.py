@@ -39,13 +39,21 @@ class StepChecker:
 
     def check_add(self, before: RefState, after: RefState, request) -> list[str]:
         """Submitting `request` (a core `Request`) queued it or, if it had to be refused, changed nothing."""
-        lim = request.limits
-        ref = RefRequest(request.request_id, "pending", tuple(request.all_token_ids),
-                         request.num_prompt_tokens, lim.max_tokens, lim.min_tokens,
-                         request.stop_token_set, 0, request.priority, request.tenant,
-                         request.arrival_s, after.requests[request.request_id].deadline_s
-                         if request.request_id in after.requests else request.deadline_s, ())
-        return _diff("add", self.spec.add(before, ref), after)
+        return _diff("add", self.spec.add(before, _ref_of(request, after)), after)
+
+    def check_add_group(self, before: RefState, after: RefState, requests) -> list[str]:
+        """Submitting a group (core `Request`s with one prompt) queued all of them
+        in one group or, if any had to be refused, changed nothing."""
+        group = [_ref_of(r, after) for r in requests]
+        out = _diff("add_group", self.spec.add_group(before, group), after)
+        queued = [after.requests[r.request_id] for r in requests if r.request_id in after.requests]
+        if queued:
+            # A group exists where there is something to share: a full block before the last token.
+            sharing = len(queued) > 1 and queued[0].num_prompt_tokens > self.spec.block_size
+            groups = {r.group for r in queued}
+            if len(groups) != 1 or (None in groups) == sharing:
+                out.append(f"add_group: the members are in groups {[r.group for r in queued]}")
+        return out
 
     def check_remove(self, before: RefState, after: RefState, request_id: str, events) -> list[str]:
         """An abort or failure removed exactly that request."""
@@ -74,6 +82,18 @@ class StepChecker:
         """A result appended exactly the sampled tokens the plan was waiting for."""
         out = self.spec.update_problems(before, after, step_id, sampled)
         return out + transition_events(before, after, events)
+
+
+def _ref_of(request, after: RefState) -> RefRequest:
+    """A newly submitted core `Request` as the spec sees it (its group as the core
+    reports it after the move, since the core names groups)."""
+    lim = request.limits
+    queued = after.requests.get(request.request_id)
+    return RefRequest(request.request_id, "pending", tuple(request.all_token_ids),
+                      request.num_prompt_tokens, lim.max_tokens, lim.min_tokens,
+                      request.stop_token_set, 0, request.priority, request.tenant,
+                      request.arrival_s, queued.deadline_s if queued is not None else request.deadline_s,
+                      (), queued.group if queued is not None else None)
 
 
 def _diff(what: str, expected: RefState, actual: RefState) -> list[str]:
@@ -115,6 +135,19 @@ class CheckedHarness(Harness):
             self._raise(f"add({rid!r})", self.checker.check_add(before, after, request))
         else:
             self._raise(f"add({rid!r}) refused", _diff("refused add", before, after))
+        return ok
+
+    def add_group(self, prompt=(1, 2, 3), n=2, max_tokens=2, **kw) -> bool:
+        """`Harness.add_group`, checked."""
+        before = self.checker.state(self)
+        ids = [f"r{self.num_added + i}" for i in range(n)]
+        ok = super().add_group(prompt, n, max_tokens, **kw)
+        after = self.checker.state(self)
+        requests = [self.scheduler.requests[rid] for rid in ids] if ok else []
+        if ok:
+            self._raise(f"add_group({ids})", self.checker.check_add_group(before, after, requests))
+        else:
+            self._raise(f"add_group({ids}) refused", _diff("refused add_group", before, after))
         return ok
 
     def abort(self, request_id: str) -> None:

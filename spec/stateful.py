@@ -1,9 +1,11 @@
 """Hypothesis state machines that drive the real scheduling core.
 
 `SchedulerStateMachine` plays clients and executor at random: submissions with
-shared prefixes, priorities and tenants, aborts, failures, plans (several in
-flight), results with or without end-of-sequence tokens, stale results, and
-executor loss. After every move it checks the invariants of DESIGN §4 and
+shared prefixes, priorities and tenants, request groups (`n` in 2..4 sharing
+one prompt), aborts, failures, plans (several in flight), results with or
+without end-of-sequence tokens, stale results, and executor loss; single
+members of a group are aborted, failed, or made the victim of the next
+preemption. After every move it checks the invariants of DESIGN §4 and
 that the move refines the reference spec (`cadence.spec.refinement`); at the
 end it validates the recorded trace (`cadence.spec.trace`) and item 9. Each
 move reports the behaviour families it exercised (`cadence.spec.coverage`)
@@ -35,6 +37,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from cadence.statemachine.config import CacheConfig, SchedulerConfig
+from cadence.statemachine.fsm import RequestState
 from cadence.statemachine.plan import StepResult
 from cadence.statemachine.policy import SchedulingPolicy
 
@@ -88,6 +91,18 @@ class SchedulerStateMachine(RuleBasedStateMachine):
         factory = type(self).make_policy
         policy = factory(self.config) if factory is not None else None
         self.h = CheckedHarness(self.config, self.cache_config, policy, record=True)
+        self.victim: str | None = None  # a request the next preemption should take
+        self.h.scheduler.policy.victim = self._victim_of(self.h.scheduler.policy.victim)
+
+    def _victim_of(self, choose):
+        """The policy's victim choice, unless the preferred request is a candidate."""
+        def victim(running):
+            preferred = [r for r in running if r.request_id == self.victim]
+            if preferred:
+                self.victim = None
+                return preferred[0]
+            return choose(running)
+        return victim
 
     def _watch(self, kind: str, move, plan=None):
         """Make a move, reporting the families it exercised to Hypothesis."""
@@ -131,6 +146,37 @@ class SchedulerStateMachine(RuleBasedStateMachine):
         self.h.add(None, prefix + tuple(tail), max_tokens, priority=prio, tenant=ten,
                    deadline_after_s=deadline, min_tokens=min(min_tokens, max_tokens),
                    ignore_eos=ignore_eos)
+
+    @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(2, 9), min_size=1, max_size=4),
+          n=st.integers(2, 4), max_tokens=st.integers(1, 4), priority=st.data(), tenant=st.data(),
+          ignore_eos=st.booleans())
+    def add_group(self, prefix, tail, n, max_tokens, priority, tenant, ignore_eos):
+        """A client asks for `n` samples of one prompt: a request group."""
+        prio = priority.draw(st.sampled_from(self.priorities))
+        ten = tenant.draw(st.sampled_from(self.tenants))
+        self.h.add_group(prefix + tuple(tail), n, max_tokens, priority=prio, tenant=ten,
+                         ignore_eos=ignore_eos)
+
+    def _siblings(self, running: bool = False) -> list[str]:
+        """Live members of request groups (only the running ones with `running`)."""
+        return sorted(rid for rid, r in self.h.scheduler.requests.items() if r.group is not None
+                      and (not running or r.state is RequestState.RUNNING))
+
+    @precondition(lambda self: self._siblings())
+    @rule(data=st.data(), kind=st.sampled_from(["abort", "abort", "fail"]))
+    def cancel_sibling(self, data, kind):
+        """One member of a group is aborted or fails; the others go on with their blocks."""
+        rid = data.draw(st.sampled_from(self._siblings()))
+        self._watch(kind, lambda: getattr(self.h, kind)(rid))
+
+    @precondition(lambda self: self._siblings(running=True))
+    @rule(data=st.data())
+    def preempt_sibling(self, data):
+        """The executor's memory runs short for one running group member: the next
+        preemption (growth under pressure, or a displacement) takes it as its
+        victim where the policy may pick it."""
+        rid = data.draw(st.sampled_from(self._siblings(running=True)))
+        self.victim = rid
 
     @precondition(lambda self: self.h.scheduler.requests)
     @rule(data=st.data(), kind=st.sampled_from(["abort", "abort", "fail"]))

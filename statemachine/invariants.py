@@ -162,6 +162,75 @@ def plan_within_budget(s: Scheduler, plan) -> list[str]:
     return out
 
 
+def groups_share_prompt_blocks(s: Scheduler) -> list[str]:
+    """§4.2 for shared blocks: a block in several tables is a cached block (its
+    contents checked by §4.3) or one of a request group's shared prompt blocks, at
+    the same place in each member's table; a group lists exactly its live
+    members, which share one prompt and salt (`group_prompt_computed_once`
+    checks, per plan, that only one member computes the shared blocks)."""
+    bm = s.blocks
+    out = []
+    groups = {}
+    for rid, req in s.requests.items():
+        group = getattr(req, "group", None)
+        if group is not None:
+            groups[id(group)] = group
+            if req not in group.members:
+                out.append(f"request {rid!r} is not a member of its group {group.group_id!r}")
+    for group in groups.values():
+        members = group.members
+        if any(s.requests.get(m.request_id) is not m for m in members):
+            out.append(f"group {group.group_id!r} lists a request that is not live")
+        if any(m.prompt_token_ids != members[0].prompt_token_ids
+               or m.cache_salt != members[0].cache_salt for m in members):
+            out.append(f"group {group.group_id!r} mixes prompts or salts")
+        shared = group.num_shared_tokens
+        if shared % bm.block_size or not 0 < shared < members[0].num_prompt_tokens:
+            out.append(f"group {group.group_id!r} shares {shared} tokens of a "
+                       f"{members[0].num_prompt_tokens}-token prompt in blocks of {bm.block_size}")
+    places: dict[int, list[tuple[str, int]]] = {}
+    for rid, table in bm.tables.items():
+        for i, b in enumerate(table):
+            places.setdefault(b, []).append((rid, i))
+    for b, holders in places.items():
+        if len(holders) < 2 or bm.block_key[b] is not None:
+            continue
+        owners = [s.requests.get(rid) for rid, _ in holders]
+        group = getattr(owners[0], "group", None) if owners[0] is not None else None
+        index = holders[0][1]
+        if (group is None or any(getattr(o, "group", None) is not group for o in owners)
+                or any(i != index for _, i in holders)
+                or (index + 1) * bm.block_size > group.num_shared_tokens):
+            out.append(f"block {b} is held by {holders} (request, place) but is neither "
+                       "cached nor a group's shared prompt block")
+    return out
+
+
+def group_prompt_computed_once(s: Scheduler, plan) -> list[str]:
+    """For one plan: a group member admitted to compute (part of) the group's
+    shared prompt blocks is the only member computing them; the others wait for
+    those blocks. A member recomputing since the executor was lost is not waited
+    for (the loss may follow it), so it does not count."""
+    out = []
+    lost = getattr(s, "_lost", set())
+    new = {d.request_id: d for d in plan.new_requests}
+    scheduled = plan.num_scheduled_tokens
+    for d in plan.new_requests:
+        req = s.requests.get(d.request_id)
+        group = getattr(req, "group", None) if req is not None else None
+        if group is None or d.num_computed_tokens >= group.num_shared_tokens:
+            continue
+        for m in group.members:
+            rid = m.request_id
+            if m is req or m.state is not RequestState.RUNNING or rid in lost:
+                continue
+            before = new[rid].num_computed_tokens if rid in new else m.num_computed_tokens - scheduled.get(rid, 0)
+            if before < group.num_shared_tokens and (rid not in new or d.request_id not in lost):
+                out.append(f"plan {plan.step_id} admits {d.request_id!r} to compute the shared prompt "
+                           f"of group {group.group_id!r} while {rid!r} computes it")
+    return out
+
+
 STATE_INVARIANTS: dict[str, Callable[[Scheduler], list[str]]] = {
     "blocks_partition": blocks_partition,
     "refcounts_match_tables": refcounts_match_tables,
@@ -169,6 +238,7 @@ STATE_INVARIANTS: dict[str, Callable[[Scheduler], list[str]]] = {
     "completed_hold_nothing_running_hold_enough": completed_hold_nothing_running_hold_enough,
     "queues_partition": queues_partition,
     "limits_respected": limits_respected,
+    "groups_share_prompt_blocks": groups_share_prompt_blocks,
 }
 
 

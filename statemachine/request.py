@@ -53,7 +53,7 @@ class Request:
         "num_prompt_tokens", "num_computed_tokens", "num_preemptions", "block_hashes",
         "num_skips", "queue_seq", "first_scheduled_s", "num_cached_tokens",
         "stop_token_set", "finish_detail", "arrival_seq",
-        "admitted_step", "length_limit", "pending_steps",
+        "admitted_step", "length_limit", "pending_steps", "group",
     )
 
     def __init__(
@@ -104,6 +104,8 @@ class Request:
         self.length_limit = self.num_prompt_tokens + self.limits.max_tokens
         self.first_scheduled_s: float | None = None
         self.num_cached_tokens = 0
+        # Set by the scheduler when the request is one of several sharing its prompt.
+        self.group: RequestGroup | None = None
         limits = self.limits
         stops = set(limits.stop_token_ids)
         if not limits.ignore_eos:
@@ -138,3 +140,24 @@ class Request:
             f"out={len(self.output_token_ids)}, computed={self.num_computed_tokens}, "
             f"prio={self.priority}, tenant={self.tenant!r})"
         )
+
+
+class RequestGroup:
+    """Requests forked from one prompt (`n` > 1): the prompt's full blocks, all
+    but the block of its last token, are computed by one member and then held by
+    every member's table, so the others compute only the tail.
+
+    `members` are the live ones, in the order given; `num_shared_tokens` is the
+    length of the shared part, a whole number of blocks, below the prompt's length.
+    """
+
+    __slots__ = ("group_id", "members", "num_shared_tokens")
+
+    def __init__(self, group_id: str, members: Sequence[Request], num_shared_tokens: int) -> None:
+        self.group_id = group_id
+        self.members = list(members)
+        self.num_shared_tokens = num_shared_tokens
+
+    def __repr__(self) -> str:
+        return (f"RequestGroup({self.group_id!r}, members={[r.request_id for r in self.members]}, "
+                f"shared={self.num_shared_tokens})")

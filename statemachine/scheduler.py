@@ -20,12 +20,13 @@ from .blocks import BlockManager, block_keys_for
 from .config import CacheConfig, SchedulerConfig
 from .estimate import OutputLengthEstimator
 from .errors import (
-    DuplicateRequestError, QueueFullError, RequestNotFoundError, RequestTooLongError,
+    DuplicateRequestError, InvalidRequestError, QueueFullError, RequestNotFoundError,
+    RequestTooLongError,
 )
 from .fsm import FinishReason, RequestEventKind, RequestState
 from .plan import NewRequestData, RequestEvent, StepPlan, StepResult
 from .policy import SchedulingPolicy, make_policy
-from .request import Request
+from .request import Request, RequestGroup
 from .stats import StatsCollector, StatsSummary
 
 # Steps after a failed admission pass before the same pass is tried again when
@@ -125,27 +126,9 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request; raise if it is a duplicate, too long, or the queue is full."""
         rid = request.request_id
-        if rid in self.requests:
-            raise DuplicateRequestError(f"request_id {rid!r} is already live")
-        if request.state is not PENDING or request.num_computed_tokens or request.output_token_ids:
-            raise DuplicateRequestError(f"request {rid!r} has already been scheduled once")
+        self._check_new(request)
         config = self.config
         total = request.num_prompt_tokens + request.limits.max_tokens
-        if total > config.max_model_len:
-            raise RequestTooLongError(
-                f"request {rid!r}: prompt has {request.num_prompt_tokens} tokens and max_tokens is "
-                f"{request.limits.max_tokens}, {total} in all; max_model_len is {config.max_model_len}"
-            )
-        num_needed = self.blocks.blocks_for(total)
-        if num_needed > self.cache_config.num_blocks:
-            raise RequestTooLongError(
-                f"request {rid!r}: {total} tokens need {num_needed} KV blocks of "
-                f"{self.cache_config.block_size}; the cache has num_blocks={self.cache_config.num_blocks}"
-            )
-        if len(self.policy) >= config.max_waiting:
-            raise QueueFullError(
-                f"waiting queue holds {len(self.policy)} requests; max_waiting is {config.max_waiting}"
-            )
         if self.blocks.enable_prefix_caching:
             # Hash the prompt's full blocks once, on arrival, rather than in a step.
             block_keys_for(request.all_token_ids, self.blocks.block_size, request.cache_salt,
@@ -167,6 +150,71 @@ class Scheduler:
         self.collector.num_requests_added += 1
         self.collector.saw_time(request.arrival_s)
         self._check()
+
+    def add_group(self, requests: Sequence[Request]) -> RequestGroup | None:
+        """Queue requests with one prompt (and cache salt) as a group, `n` > 1: one
+        of them computes the prompt; once its full blocks are computed, the others
+        are admitted holding those same blocks and compute only the tail (the last
+        partial block). Each member is then scheduled, preempted and finished on its
+        own. All are queued or none is. Returns the group, or None if the prompt
+        fits in one block and there is nothing to share."""
+        requests = list(requests)
+        if not requests:
+            raise InvalidRequestError("a request group needs at least one request")
+        first = requests[0]
+        seen: set[str] = set()
+        for request in requests:
+            rid = request.request_id
+            if (request.prompt_token_ids != first.prompt_token_ids
+                    or request.cache_salt != first.cache_salt):
+                raise InvalidRequestError(
+                    f"request {rid!r} of a group must have the prompt and cache_salt of "
+                    f"{first.request_id!r}")
+            if rid in seen:
+                raise DuplicateRequestError(f"request_id {rid!r} is twice in one group")
+            seen.add(rid)
+            self._check_new(request)
+        room = self.config.max_waiting - len(self.policy)
+        if len(requests) > room:
+            raise QueueFullError(
+                f"a group of {len(requests)} requests does not fit: the waiting queue holds "
+                f"{len(self.policy)}; max_waiting is {self.config.max_waiting}")
+        block_size = self.blocks.block_size
+        num_shared = (first.num_prompt_tokens - 1) // block_size * block_size
+        group = RequestGroup(first.request_id, [], num_shared) \
+            if len(requests) > 1 and num_shared else None
+        for request in requests:
+            self.add_request(request)
+            if group is not None:
+                request.group = group
+                group.members.append(request)
+        self._check()
+        return group
+
+    def _check_new(self, request: Request) -> None:
+        """Raise if `request` may not be queued: a duplicate, too long, or no room."""
+        rid = request.request_id
+        if rid in self.requests:
+            raise DuplicateRequestError(f"request_id {rid!r} is already live")
+        if request.state is not PENDING or request.num_computed_tokens or request.output_token_ids:
+            raise DuplicateRequestError(f"request {rid!r} has already been scheduled once")
+        config = self.config
+        total = request.num_prompt_tokens + request.limits.max_tokens
+        if total > config.max_model_len:
+            raise RequestTooLongError(
+                f"request {rid!r}: prompt has {request.num_prompt_tokens} tokens and max_tokens is "
+                f"{request.limits.max_tokens}, {total} in all; max_model_len is {config.max_model_len}"
+            )
+        num_needed = self.blocks.blocks_for(total)
+        if num_needed > self.cache_config.num_blocks:
+            raise RequestTooLongError(
+                f"request {rid!r}: {total} tokens need {num_needed} KV blocks of "
+                f"{self.cache_config.block_size}; the cache has num_blocks={self.cache_config.num_blocks}"
+            )
+        if len(self.policy) >= config.max_waiting:
+            raise QueueFullError(
+                f"waiting queue holds {len(self.policy)} requests; max_waiting is {config.max_waiting}"
+            )
 
     def abort_request(self, request_id: str, detail: str = "aborted") -> RequestEvent:
         """Finish a live request as aborted and free its blocks at once."""
@@ -475,6 +523,7 @@ class Scheduler:
             kv_usage=self.blocks.usage,
             num_running=len(self.running),
             num_waiting=len(self.policy),
+            num_shared_prompt_tokens=c.num_shared_prompt_tokens,
         )
 
     # ---- internals -------------------------------------------------------------
@@ -491,6 +540,7 @@ class Scheduler:
         cut = None
         min_need = blocks.num_blocks + 1
         num_admitted = 0
+        waits_for_sibling = False
         preemptive = getattr(policy, "preempts_running", True)
         prefix_wait = config.admission_prefix_wait_blocks if blocks.enable_prefix_caching else 0
         computing: set[bytes] = set()
@@ -540,6 +590,15 @@ class Scheduler:
                                                    "deadline passed before admission"))
                 continue
             hits = blocks.find_cached_prefix(request)
+            num_forked = 0
+            if request.group is not None:
+                forked = self._sibling_prefix(request, hits)
+                if forked is None:
+                    waits_for_sibling = True
+                    continue  # a sibling is computing the shared prompt blocks: take them, later
+                if forked is not hits:
+                    num_forked = len(forked) * block_size
+                    hits = forked
             if computing and self._shares_computing(request, len(hits), computing):
                 break  # next step it finds those blocks cached: wait, rather than compute them twice
             num_cached = len(hits) * block_size
@@ -594,7 +653,7 @@ class Scheduler:
                 n = budget
             if threshold and n > threshold:
                 n = threshold
-            self._start(request, num_cached, hits)
+            self._start(request, num_cached, hits, num_forked)
             if prefix_wait and request.request_id not in self._lost:
                 # The prompt blocks this step computes, which later candidates would find
                 # cached only from the next step on.
@@ -617,7 +676,8 @@ class Scheduler:
         for request in put_back:
             policy.push(request)
         if (num_admitted == 0 and short_of_blocks and len(self.running) < max_seqs
-                and not config.reject_late):  # late requests must still be rejected on time
+                and not config.reject_late  # late requests must still be rejected on time
+                and not waits_for_sibling):  # it may go on without any release
             # The projection's reserve shrinks as running requests near their ends,
             # so a pass may succeed without a release: look again now and then.
             self._failed_admission = (self._queue_version, blocks.num_releases,
@@ -714,12 +774,34 @@ class Scheduler:
         keys = request.block_hashes
         need = self.config.admission_prefix_wait_blocks
         end = num_hits + need
-        if end > len(keys):
-            return False
+        if end > len(keys) or end > (request.num_tokens - 1) // self.blocks.block_size:
+            return False  # past what a lookup may find: the last token's block is computed anyway
         for i in range(num_hits, end):
             if keys[i] not in computing:
                 return False
         return True
+
+    def _sibling_prefix(self, request: Request, hits: list[int]) -> list[int] | None:
+        """The blocks a group member is admitted with: the group's shared prompt
+        blocks as held by a running sibling that has computed them, unless the
+        cached prefix `hits` is longer; None while a sibling is still computing
+        them and `hits` fall short (one that has been recomputing since the
+        executor was lost is not waited for: the loss may follow it)."""
+        group = request.group
+        block_size = self.blocks.block_size
+        num_shared = group.num_shared_tokens
+        num_hit = len(hits) * block_size
+        if num_hit > num_shared:
+            return hits
+        computing = False
+        for sibling in group.members:
+            if sibling is request or sibling.fsm.state is not RUNNING:
+                continue
+            if sibling.num_computed_tokens >= num_shared:
+                return self.blocks.tables[sibling.request_id][:num_shared // block_size]
+            if sibling.request_id not in self._lost:
+                computing = True
+        return None if computing and num_hit < num_shared else hits
 
     def _tokens_left(self, request: Request) -> int:
         """Tokens the request is projected to add before it finishes: up to its
@@ -765,7 +847,10 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
-    def _start(self, request: Request, num_cached: int, hits: list[int]) -> None:
+    def _start(self, request: Request, num_cached: int, hits: list[int],
+               num_forked: int = 0) -> None:
+        """Admit `request` with `num_cached` tokens computed: `hits`' blocks, of which
+        `num_forked` tokens' were computed by a sibling rather than found cached."""
         request.fsm.fire(E.ADMIT)
         request.admitted_step = self.step_id - 1
         request.num_computed_tokens = num_cached
@@ -774,8 +859,9 @@ class Scheduler:
         if request.first_scheduled_s is not None:
             self.num_resume_hit_tokens += num_cached  # back after a preemption or executor loss
         else:
-            self.blocks.record_lookup(request.num_tokens, num_cached)
+            self.blocks.record_lookup(request.num_tokens, num_cached - num_forked)
             request.num_cached_tokens = num_cached
+        self.collector.num_shared_prompt_tokens += num_forked
         if request.first_scheduled_s is None:
             request.first_scheduled_s = self.now_s
             self.collector.total_wait_s += max(0.0, self.now_s - request.arrival_s)
@@ -794,9 +880,11 @@ class Scheduler:
             return False
         # Requests admitted in this step came earlier in the policy's order: never victims.
         step_id = self.step_id - 1
+        group = waiting.group
         candidates = [r for r in self.running
                       if r.admitted_step != step_id and policy.may_preempt(waiting, r)
-                      and (not only_scheduled or r.request_id in scheduled)]
+                      and (not only_scheduled or r.request_id in scheduled)
+                      and (group is None or r.group is not group)]
         if not candidates or not self._room_after_preempting(waiting, hits, candidates):
             return False
         self._preempt(policy.victim(candidates), scheduled, new_block_ids, preempted)
@@ -846,6 +934,8 @@ class Scheduler:
             self._queue_version += 1  # the queue changed: a failed pass may now succeed
         request.fsm.fire(kind, reason)
         request.finish_detail = detail
+        if request.group is not None:
+            request.group.members.remove(request)
         rid = request.request_id
         self.blocks.free(rid)
         del self.requests[rid]

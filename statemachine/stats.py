@@ -47,6 +47,9 @@ class StatsSummary:
     num_executor_failures: int = 0
     num_executor_restarts: int = 0
     num_poisoned_requests: int = 0
+    # Prompt tokens a request of a group (`n` > 1) took from a sibling's computed
+    # blocks instead of computing them.
+    num_shared_prompt_tokens: int = 0
 
     def as_dict(self) -> dict:
         return attrs.asdict(self)
@@ -67,6 +70,7 @@ class StatsSummary:
             f"elapsed:               {self.elapsed_s:.3f} s",
             f"preemptions:           {self.num_preemptions} ({self.num_recompute_tokens} tokens recomputed)",
             f"prefix cache:          {self.num_prefix_hit_tokens}/{self.num_prefix_query_tokens} tokens hit",
+            f"shared prompt tokens:  {self.num_shared_prompt_tokens} (taken from a sibling, n > 1)",
             f"KV usage:              {self.kv_usage:.1%}",
             f"executor:              {self.num_executor_failures} failures, "
             f"{self.num_executor_restarts} restarts, {self.num_poisoned_requests} requests failed alone",
@@ -94,6 +98,7 @@ class StatsCollector:
     num_recompute_tokens: int = 0
     #: Steps whose admission pass was skipped because the last failed pass stood.
     num_admission_memo_hits: int = 0
+    num_shared_prompt_tokens: int = 0
 
     def saw_time(self, now_s: float) -> None:
         if self.first_s is None:
