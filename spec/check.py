@@ -2,7 +2,7 @@
 
     cadence check --policy fcfs --policy mypkg.policies:MyPolicy [--scope small ...]
 
-For each policy and scope (by default the CI scopes: small, tight, pipelined):
+For each policy and scope (by default the CI scopes: small, tight, pipelined, forked):
 explore every reachable state (safety invariants and refinement of the
 reference spec on every move), search the explored graph for starvation
 (exhaustive scopes only), and run the Hypothesis state machine once per policy.

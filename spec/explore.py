@@ -163,6 +163,15 @@ SCOPES = {
                                  Shape((4,), 2, priority=1, tenant="b")),
         max_live=3, max_inflight=2, eos=False, duplicates=True,
         config_overrides={**_TIGHT, "reject_late": True}, max_depth=7),
+    # Request groups: two samples of a 3-token prompt (one shared block) beside a
+    # one-token request, prefix caching off, so blocks are shared only by the fork;
+    # 4 blocks, no headroom: members wait for, share, recompute (after their
+    # leader is preempted, aborted or lost) and lose to preemption the prompt
+    # block. Depth-bounded: to depth 9.
+    "forked": Scope(
+        name="forked", num_blocks=4, max_num_seqs=3, max_num_batched_tokens=4, max_model_len=6,
+        shapes=(Shape((1, 2, 3), 3, priority=1, n=2), Shape((4,), 2, tenant="b")),
+        max_live=3, config_overrides=_TIGHT, max_depth=9, prefix_caching=False),
     # As small, with two plans in flight (pipelining) and failures.
     "medium": Scope(name="medium", max_inflight=2, fails=True),
     # More blocks, seats, shapes and live requests, two plans in flight.
@@ -191,7 +200,7 @@ def scope_patches(scope: Scope) -> Iterator[None]:
         core.ADMISSION_RETRY_STEPS = saved
 
 
-CI_SCOPES = ("small", "tight", "pipelined")
+CI_SCOPES = ("small", "tight", "pipelined", "forked")
 """The scopes the test suite explores by default; between them every behaviour
 family reachable by a built-in policy is reached (tests/spec/test_coverage.py)."""
 

@@ -209,7 +209,8 @@ def fcfs_within_class(records: Iterable[dict], block_size: int, *,
     counts: the earlier request needs at most ceil(tokens / block_size) blocks,
     the later one at least that minus its possible prefix-cache hits. A member
     of a request group (an add record's optional "group") may wait while a
-    sibling runs: it waits for the prompt blocks the sibling computes. A
+    sibling runs (or in the step that preempts it): it waits for the prompt
+    blocks the sibling computes. A
     violation reported here is therefore certain; a subtle one may pass.
     """
     class_of = class_of or (lambda add: (add["priority"], add["tenant"]))
@@ -244,7 +245,8 @@ def fcfs_within_class(records: Iterable[dict], block_size: int, *,
                     continue
                 if not chunked_prefill and ntok[aid] > ntok[rid]:
                     continue
-                if any(phase.get(x) == RUNNING for x in members.get(a.get("group"), ()) if x != aid):
+                if any(phase.get(x) == RUNNING or preempted_in.get(x) == step
+                       for x in members.get(a.get("group"), ()) if x != aid):
                     continue  # it waits for the prompt blocks a sibling computes
                 suspects.append((rec, aid, step))
         after = EDGES.get((phase.get(rid), ev))

@@ -215,13 +215,25 @@ class ReferenceSpec:
             return 0
         return (r.num_prompt_tokens - 1) // self.block_size * self.block_size
 
-    def waits_for_sibling(self, state: RefState, r: RefRequest) -> bool:
-        """Whether a waiting group member may wait for a running sibling that is
-        still computing the group's shared prompt blocks."""
+    def waits_for_sibling(self, before: RefState, after: RefState, r: RefRequest,
+                          scheduled: Mapping[str, int]) -> bool:
+        """Whether a waiting group member may wait, in the plan `before` -> `after`,
+        for a sibling computing the group's shared prompt blocks: one running after
+        it with less than those computed when the step began or when it was admitted
+        in it, or one running before it, with less computed, and preempted by it."""
         shared = self.shared_tokens(r)
-        return bool(shared) and any(
-            x.group == r.group and x.request_id != r.request_id and x.phase == RUNNING
-            and x.num_computed_tokens < shared for x in state.requests.values())
+        if not shared:
+            return False
+        for x in after.requests.values():
+            if x.group != r.group or x.request_id == r.request_id:
+                continue
+            was = before.requests.get(x.request_id)
+            if x.phase == RUNNING and x.num_computed_tokens - scheduled.get(x.request_id, 0) < shared:
+                return True
+            if x.phase == PENDING and was is not None and was.phase == RUNNING \
+                    and was.num_computed_tokens < shared:
+                return True
+        return False
 
     def remove(self, before: RefState, request_id: str) -> RefState:
         """Abort or fail: the request is gone, its blocks are released, cached contents stay."""
@@ -393,7 +405,7 @@ class ReferenceSpec:
                     continue
                 if self.blocks_for(len(a.tokens)) > min_need:
                     continue
-                if self.waits_for_sibling(before, a):
+                if self.waits_for_sibling(before, after, a, scheduled):
                     continue  # it shares the blocks its sibling is computing, once computed
                 if not c.enable_chunked_prefill and len(a.tokens) > scheduled.get(bid, 0):
                     continue

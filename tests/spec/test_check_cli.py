@@ -14,7 +14,8 @@ def test_a_clean_policy_exits_zero(capsys, shared_explorer):
     # Progress: each stage as it starts, on stderr, one exploration per CI scope.
     stages = [line.split("] ")[1] for line in captured.err.splitlines()]
     assert stages[:2] == ["exploring the small scope", "searching for starvation"]
-    assert {"exploring the tight scope", "exploring the pipelined scope"} <= set(stages)
+    assert {"exploring the tight scope", "exploring the pipelined scope",
+            "exploring the forked scope"} <= set(stages)
     assert all(line.startswith("[1/1 deadline, ") for line in captured.err.splitlines())
 
 

@@ -1,7 +1,9 @@
 """The Scheduler driven like the shell drives it, under every policy.
 
-Rules add requests (some too long, duplicated or beyond the queue), abort live
-and unknown ids, fail requests, run steps with fabricated executor results (EOS
+Rules add requests (some too long, duplicated or beyond the queue) and request
+groups (`n` in 2..4 sharing one prompt), abort live and unknown ids, abort or
+fail single members of a group or make one the next preemption's victim, fail
+requests, run steps with fabricated executor results (EOS
 and stop tokens at random points), hold a step's result for one more step (the
 pipelined shell), replay stale or duplicated results, and lose the executor.
 After every rule the invariants of DESIGN §4 items 1-10 hold: the shared
@@ -28,7 +30,9 @@ from cadence.statemachine.errors import (
     DuplicateRequestError, QueueFullError, RequestNotFoundError, RequestTooLongError,
 )
 from cadence.statemachine.fsm import FinishReason, RequestEventKind, RequestFSM, RequestState
-from cadence.statemachine.invariants import plan_within_budget, violations
+from cadence.statemachine.invariants import (
+    group_prompt_computed_once, plan_within_budget, violations,
+)
 from cadence.statemachine.plan import RequestEvent, StepPlan, StepResult
 from cadence.statemachine.request import Request, SamplingLimits
 from cadence.statemachine.scheduler import Scheduler
@@ -127,6 +131,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                             enable_prefix_caching=draw(st.sampled_from([True, True, False]), label="caching"),
                             retain_preempted_blocks=draw(st.booleans(), label="retain preempted"))
         self.s = Scheduler(config, cache)
+        self.victim: str | None = None  # a request the next preemption should take
+        self.s.policy.victim = self._victim_of(self.s.policy.victim)
         self.clock = 0.0
         self.num_ids = 0
         self.added: dict[str, Request] = {}
@@ -189,6 +195,16 @@ class SchedulerMachine(RuleBasedStateMachine):
             list(s._finished_ids),
         )
 
+    def _victim_of(self, choose):
+        """The policy's victim choice, unless the preferred request is a candidate."""
+        def victim(running):
+            preferred = [r for r in running if r.request_id == self.victim]
+            if preferred:
+                self.victim = None
+                return preferred[0]
+            return choose(running)
+        return victim
+
     # ---- requests -----------------------------------------------------------
     @rule(data=st.data())
     def add_request(self, data) -> None:
@@ -239,6 +255,82 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.shadow[rid] = RequestFSM(rid)
         self.client_tokens[rid] = []
         self.prompts.append(tuple(prompt))
+
+    @rule(data=st.data(), n=st.integers(2, 4))
+    def add_group(self, data, n: int) -> None:
+        """Add `n` requests with one prompt as a group: all are queued or, if one
+        is too long or the queue lacks room for all, none is and nothing changes."""
+        s, config, draw = self.s, self.s.config, data.draw
+        max_tokens = draw(st.integers(1, 6), label="max_tokens")
+        length = draw(st.integers(1, max(1, config.max_model_len - max_tokens)), label="prompt length")
+        if self.prompts and draw(st.booleans(), label="share a prefix"):
+            base = draw(st.sampled_from(self.prompts), label="base prompt")
+            prompt = list(base[:length])
+        else:
+            prompt = [FILLER + i % 3 for i in range(length)]
+        priority = draw(st.integers(0, 2), label="priority")
+        tenant = draw(st.sampled_from(TENANTS), label="tenant")
+        salt = draw(st.sampled_from([None, None, "s"]), label="salt")
+        ignore_eos = draw(st.booleans(), label="ignore_eos")
+        requests = []
+        for _ in range(n):
+            self.num_ids += 1
+            requests.append(Request(f"r{self.num_ids}", prompt, SamplingLimits(max_tokens, 0, ignore_eos, {EOS}),
+                                    priority=priority, tenant=tenant, arrival_s=self.clock,
+                                    cache_salt=salt))
+        total = len(prompt) + max_tokens
+        before = self._fingerprint()
+        if total > config.max_model_len or s.blocks.blocks_for(total) > s.cache_config.num_blocks:
+            expected = RequestTooLongError
+        elif s.num_waiting + n > config.max_waiting:
+            expected = QueueFullError
+        else:
+            expected = None
+        if expected is not None:
+            with pytest.raises(expected):
+                s.add_group(requests)
+            assert self._fingerprint() == before
+            event(f"add_group: {expected.__name__}")
+            return
+        group = s.add_group(requests)
+        shared = (len(prompt) - 1) // s.blocks.block_size * s.blocks.block_size
+        assert (group is None) == (shared == 0)
+        assert group is None or (group.members == requests and group.num_shared_tokens == shared)
+        for request in requests:
+            rid = request.request_id
+            self.added[rid] = request
+            self.shadow[rid] = RequestFSM(rid)
+            self.client_tokens[rid] = []
+        self.prompts.append(tuple(prompt))
+        event("add_group")
+
+    def _siblings(self, running: bool = False) -> list[str]:
+        """Live members of request groups (only the running ones with `running`)."""
+        return sorted(rid for rid, r in self.s.requests.items() if r.group is not None
+                      and (not running or r.state is RUNNING))
+
+    @precondition(lambda self: self.s is not None and self._siblings())
+    @rule(data=st.data(), fail=st.booleans())
+    def abort_sibling(self, data, fail: bool) -> None:
+        """Abort (or fail) one member of a group: its siblings keep the blocks they
+        share with it, and its own go back."""
+        s = self.s
+        rid = data.draw(st.sampled_from(self._siblings()), label="sibling")
+        shared = set(s.blocks.tables.get(rid, ())) & {
+            b for m in s.requests[rid].group.members if m.request_id != rid
+            for b in s.blocks.tables.get(m.request_id, ())}
+        e = s.fail_request(rid, "executor step failed") if fail else s.abort_request(rid)
+        self._observe([e])
+        held = {b for t in s.blocks.tables.values() for b in t}
+        assert shared <= held, f"blocks {shared - held} shared with {rid}'s siblings were released"
+        event("aborted a sibling holding shared blocks" if shared else "aborted a sibling")
+
+    @precondition(lambda self: self.s is not None and self._siblings(running=True))
+    @rule(data=st.data())
+    def preempt_sibling(self, data) -> None:
+        """The next preemption takes this running group member as its victim where
+        the policy may pick it."""
+        self.victim = data.draw(st.sampled_from(self._siblings(running=True)), label="victim")
 
     @precondition(lambda self: self.s is not None and self.s.requests)
     @rule(data=st.data())
@@ -370,6 +462,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         """§4.7, §4.8 and §4.9 for one plan, plus the delta protocol's consistency."""
         s, config = self.s, self.s.config
         assert plan_within_budget(s, plan) == []
+        assert group_prompt_computed_once(s, plan) == []
         scheduled = plan.num_scheduled_tokens
         assert plan.total_num_scheduled_tokens == sum(scheduled.values())
         new = {d.request_id: d for d in plan.new_requests}
@@ -404,7 +497,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             event("preemption")
         if config.enable_batch_sorting:
             self._check_batch_order(plan)
-        self._check_fcfs(before, events)
+        self._check_fcfs(before, events, plan)
         for r in s.policy.ordered():
             assert r.num_skips <= config.starvation_skip_limit
 
@@ -416,7 +509,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             keys.append((0, 0) if n == 1 and r.num_computed_tokens > r.num_prompt_tokens else (1, -n))
         assert keys == sorted(keys), "batch sorting: decodes first, then prefills longest first"
 
-    def _check_fcfs(self, before: dict, events: list[RequestEvent]) -> None:
+    def _check_fcfs(self, before: dict, events: list[RequestEvent], plan: StepPlan) -> None:
         """§4.9: a request admitted past an earlier one of its class means the earlier
         one did not fit, and the skip was counted (the starvation bound needs it)."""
         s = self.s
@@ -430,10 +523,30 @@ class SchedulerMachine(RuleBasedStateMachine):
             for y, (state, _, skips, _) in before.items():
                 ry = s.requests.get(y)
                 if (state is not PENDING or ry is None or ry.state is not PENDING or y == x
-                        or class_of(s, ry) != class_of(s, rx) or not ry.arrival_s < rx.arrival_s):
+                        or class_of(s, ry) != class_of(s, rx) or not ry.arrival_s < rx.arrival_s
+                        or self._waits_for_sibling(ry, before, plan)):
                     continue
                 assert ry.num_skips == skips + 1, f"{x} admitted before earlier {y} without a counted skip"
                 event("admitted past an earlier request that did not fit")
+
+    def _waits_for_sibling(self, request: Request, before: dict, plan: StepPlan) -> bool:
+        """Whether a waiting group member may have waited, uncounted as a skip, for a
+        sibling computing the shared prompt in this step: one running with less than
+        the shared prompt computed when the step began or when it was admitted in it,
+        or one preempted in it."""
+        group = request.group
+        if group is None:
+            return False
+        shared, scheduled = group.num_shared_tokens, plan.num_scheduled_tokens
+        for m in group.members:
+            rid = m.request_id
+            if m is request:
+                continue
+            if m.state is RUNNING and m.num_computed_tokens - scheduled.get(rid, 0) < shared:
+                return True
+            if rid in plan.preempted_ids and before[rid][1] < shared:
+                return True
+        return False
 
     def _apply_to_executor(self, plan: StepPlan) -> None:
         """The executor's batch, built only from plan deltas, matches the core's tables."""
