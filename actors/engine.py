@@ -18,7 +18,7 @@ import os
 import random
 import secrets
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Mapping, Union
+from typing import AsyncIterator, Mapping, Sequence, Union
 
 import attrs
 import trio
@@ -213,15 +213,18 @@ class RequestStream:
 
     Submission happens on the first iteration (or `await stream.start()`), so
     validation errors raise there. Leaving the loop early (break, an exception,
-    a cancelled scope) aborts the request and frees its blocks.
+    a cancelled scope) aborts the request and frees its blocks. A stream of a
+    request group (`Engine.generate_group`) submits its whole group.
     """
 
-    __slots__ = ("_engine", "_submission", "_actor")
+    __slots__ = ("_engine", "_submission", "_actor", "_group")
 
-    def __init__(self, engine: Engine, submission: tuple) -> None:
+    def __init__(self, engine: Engine, submission: tuple,
+                 group: list[RequestStream] | None = None) -> None:
         self._engine = engine
         self._submission = submission
         self._actor: RequestActor | None = None
+        self._group = group
 
     @property
     def request_id(self) -> str | None:
@@ -246,7 +249,11 @@ class RequestStream:
         prompt is tokenised here, on the event loop; `start()` tokenises a long
         one in a worker thread."""
         if self._actor is None:
-            self._submit(self._engine._make_actor(self._submission))
+            engine = self._engine
+            if self._group is None:
+                self._submit(engine._make_actor(self._submission))
+            else:
+                engine._submit_group(self._group, engine._make_group(self._group))
         return self
 
     def _submit(self, actor: RequestActor) -> None:
@@ -258,9 +265,15 @@ class RequestStream:
         validation error if it is refused."""
         if self._actor is None:
             await trio.lowlevel.checkpoint_if_cancelled()
-            actor = await self._engine._prepare(self._submission)
-            if self._actor is None:
-                self._submit(actor)
+            engine = self._engine
+            if self._group is None:
+                actor = await engine._prepare(self._submission)
+                if self._actor is None:
+                    self._submit(actor)
+            else:
+                actors = await engine._prepare_group(self._group)
+                if self._actor is None:
+                    engine._submit_group(self._group, actors)
         actor = self._actor
         try:
             await actor.wait_accepted()
@@ -402,6 +415,33 @@ class Engine:
         return RequestStream(self, (prompt, params, priority, tenant, deadline_s, request_id,
                                     timeout_s, cache_salt))
 
+    def generate_group(
+        self,
+        prompt: Prompt,
+        params: Sequence[SamplingParams | None],
+        *,
+        priority: int = 0,
+        tenant: str = "default",
+        deadline_s: float | None = None,
+        request_ids: Sequence[str] | None = None,
+        timeout_s: float | None = None,
+        cache_salt: str | None = None,
+    ) -> list[RequestStream]:
+        """One stream per entry of `params`, all of one prompt (`n` = len(params)):
+        a request group, whose prompt the core computes once and whose samples then
+        share its blocks. Starting (or iterating) any stream submits them all; each
+        is then scheduled, preempted, aborted and finished on its own. Options as
+        for `generate`; `request_ids`, if given, one per stream."""
+        if request_ids is not None and len(request_ids) != len(params):
+            raise InvalidRequestError(
+                f"request_ids has {len(request_ids)} entries for {len(params)} samples")
+        ids = list(request_ids) if request_ids is not None else [None] * len(params)
+        group: list[RequestStream] = []
+        for sample, request_id in zip(params, ids):
+            group.append(RequestStream(self, (prompt, sample, priority, tenant, deadline_s,
+                                              request_id, timeout_s, cache_salt), group))
+        return group
+
     async def submit(self, prompt: Prompt, params: SamplingParams | None = None, **options) -> RequestStream:
         """Like `generate`, but submits at once: raises here if the request is refused."""
         return await self.generate(prompt, params, **options).start()
@@ -457,20 +497,38 @@ class Engine:
                                 tenant=tenant, deadline_s=deadline_s, timeout_s=timeout_s,
                                 cache_salt=cache_salt)
 
-    async def _prepare(self, submission: tuple) -> RequestActor:
-        """Validate a request and build its actor, tokenising a long text prompt and
-        compiling a long stop list in a worker thread."""
+    async def _prepare(self, submission: tuple, token_ids: list[int] | None = None) -> RequestActor:
+        """Validate a request and build its actor, tokenising a long text prompt
+        (unless `token_ids` are given) and compiling a long stop list in a worker thread."""
         params = self._validate(submission)
         await self.prepare_structured_output(params)
         prompt = submission[0]
-        token_ids = stops = None
-        if isinstance(prompt, str) and len(prompt) > OFF_LOOP_PROMPT_CHARS:
+        stops = None
+        if token_ids is None and isinstance(prompt, str) and len(prompt) > OFF_LOOP_PROMPT_CHARS:
             token_ids = await trio.to_thread.run_sync(
                 self._encode, prompt, limiter=self._tokenizer_threads)
         if sum(map(len, params.stop)) > _OFF_LOOP_STOP_CHARS:
             stops = await trio.to_thread.run_sync(
                 stop_automaton, params.stop, limiter=self._tokenizer_threads)
         return self._make_actor(submission, params, token_ids, stops)
+
+    def _make_group(self, streams: list[RequestStream]) -> list[RequestActor]:
+        """The actors of a request group, the prompt tokenised once."""
+        first = self._make_actor(streams[0]._submission)
+        token_ids = list(first.request.prompt_token_ids)
+        return [first] + [self._make_actor(s._submission, token_ids=token_ids) for s in streams[1:]]
+
+    async def _prepare_group(self, streams: list[RequestStream]) -> list[RequestActor]:
+        """`_prepare` for each stream of a request group, the prompt tokenised once."""
+        first = await self._prepare(streams[0]._submission)
+        token_ids = list(first.request.prompt_token_ids)
+        return [first] + [await self._prepare(s._submission, token_ids) for s in streams[1:]]
+
+    def _submit_group(self, streams: list[RequestStream], actors: list[RequestActor]) -> None:
+        """Hand a request group's actors to the scheduler together."""
+        self.scheduler.submit_group(actors)
+        for stream, actor in zip(streams, actors):
+            stream._actor = actor
 
     def _make_actor(self, submission: tuple, params: SamplingParams | None = None,
                     token_ids: list[int] | None = None,

@@ -183,6 +183,15 @@ class SchedulerActor:
         self._inbox.append(actor)
         self._wake_inbox()
 
+    def submit_group(self, actors: list[RequestActor]) -> None:
+        """Queue requests with one prompt as a request group (`n` > 1): the core
+        computes the prompt once and shares its blocks; each actor learns the
+        verdict, the same for all."""
+        if self.closed_reason is not None:
+            raise EngineClosedError(self.closed_reason)
+        self._inbox.append(list(actors))
+        self._wake_inbox()
+
     def abort_nowait(self, request_id: str, detail: str = "aborted") -> None:
         """Queue an abort; a request that already completed is left alone."""
         if self.closed_reason is None:
@@ -194,13 +203,18 @@ class SchedulerActor:
         if self.closed_reason is None:
             self.closed_reason = reason
         error = EngineClosedError(self.closed_reason)
-        for actor in self._inbox:
-            if isinstance(actor, RequestActor):
-                actor.refuse(error)
-        self._inbox.clear()
+        self._refuse_inbox(error)
         for request_id, actor in list(self.actors.items()):
             actor.close_stream(error)
             self._route([self.core.abort_request(request_id, reason)], self.core.step_id)
+
+    def _refuse_inbox(self, error: BaseException) -> None:
+        """Refuse every submission still in the inbox (aborts there need nothing)."""
+        for item in self._inbox:
+            for actor in (item if type(item) is list else (item,)):
+                if isinstance(actor, RequestActor):
+                    actor.refuse(error)
+        self._inbox.clear()
 
     async def wait_idle(self) -> None:
         """Wait until no request is live and the inbox is empty."""
@@ -241,6 +255,8 @@ class SchedulerActor:
                 item = inbox.popleft()
                 if type(item) is tuple:
                     self._abort(*item)
+                elif type(item) is list:
+                    self._add_group(item)
                 else:
                     self._add(item)
             self._wake_step_loop()
@@ -258,12 +274,37 @@ class SchedulerActor:
         except CadenceError as exc:
             actor.refuse(exc)
             return
+        self._start_actor(actor)
+
+    def _add_group(self, actors: list[RequestActor]) -> None:
+        """Submit a request group: all members the consumers have not withdrawn."""
+        if self.closed_reason is not None:
+            for actor in actors:
+                actor.refuse(EngineClosedError(self.closed_reason))
+            return
+        actors = [actor for actor in actors if not actor.withdrawn]
+        if not actors:
+            return
+        try:
+            self.core.add_group([actor.request for actor in actors])
+        except CadenceError as exc:
+            for actor in actors:
+                actor.refuse(exc)
+            return
+        for actor in actors:
+            self._start_actor(actor)
+
+    def _start_actor(self, actor: RequestActor) -> None:
+        """An accepted request: record it, run its actor, tell the consumer."""
+        request = actor.request
         self.actors[actor.request_id] = actor
         if self.trace is not None:
+            group = request.group
+            extra = {} if group is None else {"group": group.group_id}
             self.trace.record(trio.current_time(), self.core.step_id, actor.request_id, "add",
                               prompt_len=request.num_prompt_tokens,
                               max_tokens=request.limits.max_tokens,
-                              priority=request.priority, tenant=request.tenant)
+                              priority=request.priority, tenant=request.tenant, **extra)
         self._spawn(actor.run)
         actor.accept()
 
@@ -631,10 +672,7 @@ class SchedulerActor:
                               f"{self.restart_window_s} s; last failure: {reason}")
         _log.error("engine closed: %s", self.closed_reason)
         error = EngineClosedError(self.closed_reason)
-        for actor in self._inbox:
-            if isinstance(actor, RequestActor):
-                actor.refuse(error)
-        self._inbox.clear()
+        self._refuse_inbox(error)
         core = self.core
         for request_id in list(self.actors):
             self._route([core.fail_request(request_id, self.closed_reason)], core.step_id)

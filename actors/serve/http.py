@@ -32,7 +32,7 @@ import attrs
 import h11
 import trio
 
-from cadence.statemachine.errors import CadenceError, ConfigError, EngineClosedError, PoisonRequestError
+from cadence.statemachine.errors import CadenceError, ConfigError, PoisonRequestError
 
 from ..wire import ErrorCode
 from .openai_api import (
@@ -426,22 +426,24 @@ class HttpServer:
                                 f"{num_choices}; max_inflight_per_tenant is {per_tenant}",
                            code="tenant_limit")
         choices: list[Choice] = []
-        share_prompt = request.n > 1 and self.engine.core.blocks.enable_prefix_caching
+        options = dict(priority=request.priority, tenant=request.tenant, deadline_s=request.deadline_s)
         for prompt_index, prompt in enumerate(request.prompts):
-            leader = None
-            for sample in range(request.n):
+            request_ids = []
+            for _ in range(request.n):
                 self._num_requests += 1
-                request_id = f"h{self._num_requests}"
-                stream = self.engine.generate(
-                    prompt, request.params_for(sample), priority=request.priority,
-                    tenant=request.tenant, deadline_s=request.deadline_s, request_id=request_id)
+                request_ids.append(f"h{self._num_requests}")
+            # With n > 1 the samples are one request group: the prompt is computed once.
+            streams = (self.engine.generate_group(
+                prompt, [request.params_for(sample) for sample in range(request.n)],
+                request_ids=request_ids, **options) if request.n > 1
+                else [self.engine.generate(prompt, request.params_for(0), request_id=request_ids[0],
+                                           **options)])
+            for request_id, stream in zip(request_ids, streams):
                 state = _StreamState(len(choices), tenant=request.tenant, request_id=request_id)
                 server.num_inflight += 1
                 server.tenant_inflight[request.tenant] += 1
-                choice = Choice(len(choices), prompt_index, stream, state,
-                                leader=leader if share_prompt else None)
+                choice = Choice(len(choices), prompt_index, stream, state)
                 self.live[request_id] = choice
-                leader = leader or choice
                 choices.append(choice)
         return choices
 
@@ -449,15 +451,14 @@ class HttpServer:
         self.server.metrics.on_rejected(code)
 
     async def _start(self, request: ApiRequest, choices: list[Choice]) -> None:
-        """Submit the choices together (with n > 1 and prefix caching, only each
-        prompt's first sample: see `_follow`); a refusal becomes the response's error."""
-        leaders = [c for c in choices if c.leader is None]
+        """Submit the choices together (each prompt's n samples as one request
+        group); a refusal becomes the response's error."""
         try:
             # Every choice shares the one grammar: compiled (off the loop) before any is queued.
             await self.engine.prepare_structured_output(request.params)
-            for choice in leaders:
+            for choice in choices:
                 choice.stream.enqueue()
-            for choice in leaders:
+            for choice in choices:
                 await self._admitted(request, choice)
         except CadenceError as exc:
             code = _engine_error_code(exc, self.server.draining)
@@ -469,23 +470,6 @@ class HttpServer:
         choice.started = True
         choice.num_prompt_tokens = choice.stream.num_prompt_tokens
         self.server.metrics.on_accepted(choice.num_prompt_tokens)
-
-    async def _follow(self, request: ApiRequest, choice: Choice) -> bool:
-        """Start a later sample of a prompt once the first has computed the prompt:
-        its full blocks are then in the prefix cache, and every later sample shares
-        them (the block manager counts their references) instead of computing them
-        again. False (with the error on the choice) if it is refused."""
-        await choice.leader.prefilled.wait()
-        if self.server.draining:
-            choice.error = EngineClosedError("the server is shutting down")
-            return False
-        try:
-            await self._admitted(request, choice)
-        except CadenceError as exc:
-            self._reject(_engine_error_code(exc, self.server.draining).value)
-            choice.error = exc
-            return False
-        return True
 
     async def _release(self, choice: Choice) -> None:
         await choice.stream.aclose()  # aborts the request unless it finished
@@ -514,15 +498,11 @@ class HttpServer:
     async def _relay(self, request: ApiRequest, choice: Choice, emit: Callable | None) -> None:
         """Iterate one choice's stream, recording metrics and (streaming) emitting
         deltas; an engine error is kept on the choice."""
-        if choice.leader is not None and not await self._follow(request, choice):
-            return
         metrics = self.server.metrics
         previous_s = None
         whole = emit is None
         try:
             async for out in choice.stream:
-                if previous_s is None:
-                    choice.prefilled.set()
                 if out.token_ids:
                     metrics.on_tokens(len(out.token_ids), out.first_token_s, out.arrival_s,
                                       previous_s, out.now_s)
@@ -534,8 +514,6 @@ class HttpServer:
                     await emit(choice, out)
         except CadenceError as exc:
             choice.error = exc
-        finally:
-            choice.prefilled.set()  # followers go on even if this sample failed
 
     async def _run_choices(self, request: ApiRequest, choices: list[Choice],
                            emit: Callable | None) -> None:

@@ -17,7 +17,6 @@ import uuid
 from typing import Any, Callable
 
 import attrs
-import trio
 
 from cadence.statemachine.errors import InvalidRequestError, ProtocolError
 from cadence.statemachine.sampling import SamplingParams, StructuredOutput
@@ -340,10 +339,6 @@ class Choice:
     finish_reason: str | None = None
     error: Exception | None = None
     text_offset: int = 0
-    # With n > 1: the prompt's first sample, started before this one (None: this is it).
-    leader: Choice | None = None
-    # Set once this sample's prompt is computed (its first output) or it ended.
-    prefilled: trio.Event = attrs.Factory(trio.Event)
 
     def add(self, out, whole: bool) -> None:
         """Take one engine delta; `whole`: keep its text, tokens and logprobs for a

@@ -258,23 +258,29 @@ async def test_pipelined_requests_are_answered_in_order():
         await settled(server)
 
 
-@pytest.mark.parametrize("stream", [False, True])
-async def test_n_samples_share_their_prompts_computed_blocks(stream):
+@pytest.mark.parametrize("stream,caching", [(False, True), (True, True), (False, False)])
+async def test_n_samples_share_their_prompts_computed_blocks(stream, caching):
     block_size, prompt = 16, list(range(1, 41))
-    async with open_server(engine_config(block_size=block_size), server_config(),
-                           http=HttpConfig(port=0)) as server:
+    async with open_server(engine_config(block_size=block_size, enable_prefix_caching=caching),
+                           server_config(), http=HttpConfig(port=0)) as server:
         client = await _connect(server)
-        before = server.engine.stats().num_prefix_hit_tokens
+        before = server.engine.stats()
         status, body = await client.request("POST", "/v1/completions", {
             "prompt": prompt, "n": 4, "max_tokens": 6, "ignore_eos": True, "stream": stream,
             "stream_options": {"include_usage": True} if stream else None})
         assert status == 200
         answer = _events(body)[-2] if stream else json.loads(body)
         assert answer["usage"] == {"prompt_tokens": 40, "completion_tokens": 24, "total_tokens": 64}
-        # The first sample computes the prompt; the three others find its full blocks cached
-        # (all but the block holding the last prompt token, which each computes itself).
+        # The four samples are one request group: one computes the prompt, the three
+        # others hold its full blocks (all but the block of the last prompt token,
+        # which each computes itself), with or without the prefix cache.
         shared = block_size * ((len(prompt) - 1) // block_size)
-        assert server.engine.stats().num_prefix_hit_tokens - before == 3 * shared
+        after = server.engine.stats()
+        assert after.num_shared_prompt_tokens - before.num_shared_prompt_tokens == 3 * shared
+        assert after.num_prefix_hit_tokens == before.num_prefix_hit_tokens
+        tails, decodes = 3 * (len(prompt) - shared), 4 * (6 - 1)
+        assert (after.num_scheduled_tokens - before.num_scheduled_tokens
+                == len(prompt) + tails + decodes)
         if stream:
             texts = {}
             for event in _events(body)[:-2]:
