@@ -50,6 +50,25 @@ class InFlight:
         self.samplers = samplers
 
 
+class VictimPreference:
+    """Installed as a policy's `victim`: the next preemption takes the request named
+    in `request_id` when it is among the candidates (once), else the policy's
+    own choice. The environment's way to make one request, say one member of a
+    request group, lose its blocks when memory runs short."""
+
+    def __init__(self, policy: SchedulingPolicy) -> None:
+        self.request_id: str | None = None
+        self._choose = policy.victim
+        policy.victim = self
+
+    def __call__(self, running):
+        for request in running:
+            if request.request_id == self.request_id:
+                self.request_id = None
+                return request
+        return self._choose(running)
+
+
 class Harness:
     """The real scheduler plus the environment's view of it (plans in flight, ids, trace).
 

@@ -43,6 +43,7 @@ from cadence.statemachine.policy import SchedulingPolicy
 
 from . import coverage as cov
 from .invariants import fcfs_within_class
+from .harness import VictimPreference
 from .refinement import CheckedHarness, _diff
 from .trace import validate_trace
 
@@ -91,18 +92,7 @@ class SchedulerStateMachine(RuleBasedStateMachine):
         factory = type(self).make_policy
         policy = factory(self.config) if factory is not None else None
         self.h = CheckedHarness(self.config, self.cache_config, policy, record=True)
-        self.victim: str | None = None  # a request the next preemption should take
-        self.h.scheduler.policy.victim = self._victim_of(self.h.scheduler.policy.victim)
-
-    def _victim_of(self, choose):
-        """The policy's victim choice, unless the preferred request is a candidate."""
-        def victim(running):
-            preferred = [r for r in running if r.request_id == self.victim]
-            if preferred:
-                self.victim = None
-                return preferred[0]
-            return choose(running)
-        return victim
+        self.victim = VictimPreference(self.h.scheduler.policy)
 
     def _watch(self, kind: str, move, plan=None):
         """Make a move, reporting the families it exercised to Hypothesis."""
@@ -175,8 +165,7 @@ class SchedulerStateMachine(RuleBasedStateMachine):
         """The executor's memory runs short for one running group member: the next
         preemption (growth under pressure, or a displacement) takes it as its
         victim where the policy may pick it."""
-        rid = data.draw(st.sampled_from(self._siblings(running=True)))
-        self.victim = rid
+        self.victim.request_id = data.draw(st.sampled_from(self._siblings(running=True)))
 
     @precondition(lambda self: self.h.scheduler.requests)
     @rule(data=st.data(), kind=st.sampled_from(["abort", "abort", "fail"]))

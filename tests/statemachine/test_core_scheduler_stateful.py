@@ -38,6 +38,7 @@ from cadence.statemachine.request import Request, SamplingLimits
 from cadence.statemachine.scheduler import Scheduler
 
 from cadence.spec import coverage as cov
+from cadence.spec.harness import VictimPreference
 from cadence.spec.coverage import hypothesis_report as report_families
 
 from core_helpers import EOS, FILLER, STOP, examples, make_request, make_scheduler, step
@@ -131,8 +132,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                             enable_prefix_caching=draw(st.sampled_from([True, True, False]), label="caching"),
                             retain_preempted_blocks=draw(st.booleans(), label="retain preempted"))
         self.s = Scheduler(config, cache)
-        self.victim: str | None = None  # a request the next preemption should take
-        self.s.policy.victim = self._victim_of(self.s.policy.victim)
+        self.victim = VictimPreference(self.s.policy)
         self.clock = 0.0
         self.num_ids = 0
         self.added: dict[str, Request] = {}
@@ -194,16 +194,6 @@ class SchedulerMachine(RuleBasedStateMachine):
             list(s.blocks.evictable), dict(s.blocks.cached), s.stats(), s.step_id,
             list(s._finished_ids),
         )
-
-    def _victim_of(self, choose):
-        """The policy's victim choice, unless the preferred request is a candidate."""
-        def victim(running):
-            preferred = [r for r in running if r.request_id == self.victim]
-            if preferred:
-                self.victim = None
-                return preferred[0]
-            return choose(running)
-        return victim
 
     # ---- requests -----------------------------------------------------------
     @rule(data=st.data())
@@ -330,7 +320,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def preempt_sibling(self, data) -> None:
         """The next preemption takes this running group member as its victim where
         the policy may pick it."""
-        self.victim = data.draw(st.sampled_from(self._siblings(running=True)), label="victim")
+        self.victim.request_id = data.draw(st.sampled_from(self._siblings(running=True)), label="victim")
 
     @precondition(lambda self: self.s is not None and self.s.requests)
     @rule(data=st.data())
