@@ -343,6 +343,7 @@ def _clone_request(r: Request) -> Request:
     new.output_token_ids = list(r.output_token_ids)
     new.all_token_ids = list(r.all_token_ids)
     new.block_hashes = list(r.block_hashes)
+    new.pending_steps = list(r.pending_steps)
     new.fsm = _clone_fsm(r.fsm)
     return new
 
