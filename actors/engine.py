@@ -431,16 +431,22 @@ class Engine:
         a request group, whose prompt the core computes once and whose samples then
         share its blocks. Starting (or iterating) any stream submits them all; each
         is then scheduled, preempted, aborted and finished on its own. Options as
-        for `generate`; `request_ids`, if given, one per stream."""
+        for `generate`; `request_ids`, if given, one per stream. Samples that ask for
+        prompt logprobs are independent requests: each needs the logits of every
+        prompt position, which shared blocks do not give."""
         if request_ids is not None and len(request_ids) != len(params):
             raise InvalidRequestError(
                 f"request_ids has {len(request_ids)} entries for {len(params)} samples")
         ids = list(request_ids) if request_ids is not None else [None] * len(params)
-        group: list[RequestStream] = []
+        shared = all(p is None or p.prompt_logprobs is None for p in params)
+        group: list[RequestStream] | None = [] if shared else None
+        streams: list[RequestStream] = []
         for sample, request_id in zip(params, ids):
-            group.append(RequestStream(self, (prompt, sample, priority, tenant, deadline_s,
-                                              request_id, timeout_s, cache_salt), group))
-        return group
+            streams.append(RequestStream(self, (prompt, sample, priority, tenant, deadline_s,
+                                                request_id, timeout_s, cache_salt), group))
+        if group is not None:
+            group.extend(streams)
+        return streams
 
     async def submit(self, prompt: Prompt, params: SamplingParams | None = None, **options) -> RequestStream:
         """Like `generate`, but submits at once: raises here if the request is refused."""

@@ -141,3 +141,21 @@ async def test_the_demo_model_keeps_shared_blocks_when_the_leader_is_aborted():
         assert_every_block_free(engine)
     del cut["s0"]
     assert cut == {rid: whole[rid] for rid in IDS[1:]}
+
+
+async def test_samples_asking_for_prompt_logprobs_are_independent_requests(autojump_clock):
+    """Each needs the logits of every prompt position, which shared blocks do not give."""
+    cfg = no_cache(config(text_executor(), max_num_seqs=8, block_size=BLOCK))
+    params = [attrs.evolve(p, prompt_logprobs=1) for p in samples(2)]
+    async with open_engine(cfg) as engine:
+        streams = engine.generate_group(PROMPT, params, request_ids=IDS)
+        for stream in streams:
+            stream.enqueue()
+        for stream in streams:
+            await stream.start()
+        assert all(engine.core.requests[rid].group is None for rid in IDS)
+        firsts = [await stream.__anext__() for stream in streams]
+        await engine.wait_idle()
+        assert engine.stats().num_shared_prompt_tokens == 0
+    assert all(out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(PROMPT)
+               for out in firsts)
