@@ -241,3 +241,23 @@ def test_the_invariants_catch_a_block_shared_outside_a_group():
     refs[tables["a"][0]] += 1
     found = groups_share_prompt_blocks(s)
     assert found and "neither cached nor a group's shared prompt block" in found[0]
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_a_group_under_async_scheduling_samples_as_it_does_serially(caching):
+    """Two plans in flight (the executor feeds sampled tokens back): the members
+    still share the prompt once and emit what a serial run emits."""
+    from test_core_async_scheduling import Pipeline
+
+    def drive(depth: int, overlap: bool):
+        s = make_scheduler(enable_prefix_caching=caching, block_size=BLOCK, async_scheduling=overlap,
+                           max_num_batched_tokens=16)
+        s.add_group(group(3, max_tokens=5))
+        p = Pipeline(s, depth)
+        p.run()
+        assert s.stats().num_shared_prompt_tokens == 2 * SHARED
+        assert_nothing_held(s)
+        return p
+
+    serial, overlapped = drive(1, False), drive(2, True)
+    assert overlapped.outputs == serial.outputs and all(len(t) == 5 for t in serial.outputs.values())
