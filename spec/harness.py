@@ -40,7 +40,10 @@ class InFlight:
     """A plan handed to the executor and not yet answered.
 
     `samplers` are the requests whose scheduled chunk reaches the end of their
-    tokens, so the executor samples one token for each of them.
+    tokens, so the executor samples one token for each of them. With async
+    scheduling a decode planned ahead computes the position of a token still in
+    flight (its computed count passes its known tokens): it samples too, so a
+    request in two plans in flight gets one token from each.
     """
 
     __slots__ = ("plan", "samplers")
@@ -72,12 +75,17 @@ class VictimPreference:
 class Harness:
     """The real scheduler plus the environment's view of it (plans in flight, ids, trace).
 
-    `record=True` keeps a trace in the format `cadence.spec.trace` validates.
+    `record=True` keeps a trace in the format `cadence.spec.trace` validates;
+    `async_scheduling` (when not None) sets that option of `config`: plans may
+    then overlap, a decoding request planned before its token arrives.
     """
 
     def __init__(self, config: SchedulerConfig | None = None,
                  cache_config: CacheConfig | None = None,
-                 policy: SchedulingPolicy | None = None, *, record: bool = False) -> None:
+                 policy: SchedulingPolicy | None = None, *, record: bool = False,
+                 async_scheduling: bool | None = None) -> None:
+        if async_scheduling is not None:
+            config = attrs.evolve(config or SchedulerConfig(), async_scheduling=async_scheduling)
         self.scheduler = Scheduler(config, cache_config, policy)
         self.inflight: list[InFlight] = []
         self.num_added = 0
@@ -199,7 +207,9 @@ class Harness:
 
     def complete(self, eos: Iterable[str] = (), index: int = 0) -> list:
         """Deliver the result of the `index`-th oldest plan in flight; requests in
-        `eos` sample the end-of-sequence token, the others a plain one."""
+        `eos` sample the end-of-sequence token, the others a plain one. Any plan
+        may be answered first: the core holds an answer that overtook an older
+        plan sampling for the same request until that one's comes."""
         flight = self.inflight.pop(index)
         stop = set(eos)
         sampled = {rid: [EOS_TOKEN if rid in stop else TOKEN] for rid in flight.samplers}
@@ -285,7 +295,7 @@ _EVENT_NAMES = {
 _SHARED = frozenset({"config", "cache_config", "step_id", "now_s", "num_resume_hit_tokens",
                      "_watermark_blocks", "_checker"})
 _HANDLED = _SHARED | {"policy", "blocks", "requests", "running", "collector", "_finished_ids",
-                      "_events", "_inflight", "_deadline_of"}
+                      "_events", "_inflight", "_deadline_of", "_early", "_lost"}
 
 
 def clone_scheduler(s: Scheduler, *, stats: bool = True) -> Scheduler:
@@ -311,6 +321,10 @@ def clone_scheduler(s: Scheduler, *, stats: bool = True) -> Scheduler:
     nd["_finished_ids"] = list(s._finished_ids)
     nd["_events"] = list(s._events)
     nd["_inflight"] = dict(s._inflight)
+    if "_early" in d:  # answers held back: results are never mutated, the map is copied
+        nd["_early"] = dict(d["_early"])
+    if "_lost" in d:
+        nd["_lost"] = set(d["_lost"])
     nd["_deadline_of"] = getattr(new.policy, "deadline_of", None)
     memo = {id(s.config): s.config, id(s.cache_config): s.cache_config}
     memo.update((k, v) for k, v in rmap.items())
