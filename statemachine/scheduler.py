@@ -380,7 +380,8 @@ class Scheduler:
         is applied after it, so every request's tokens stay in order."""
         events = self.take_events()
         inflight = self._inflight
-        if result.step_id != plan.step_id or inflight.get(plan.step_id) is not plan:
+        if (result.step_id != plan.step_id or inflight.get(plan.step_id) is not plan
+                or plan.step_id in self._early):  # answered already, held back
             return events
         if next(iter(inflight)) != plan.step_id and self._answered_early(plan):
             self._early[plan.step_id] = result

@@ -85,3 +85,22 @@ def test_budget_preemption_only_when_it_gives_budget_back():
     h.add("r2", (1, 2, 3), 2, priority=0, tenant="a")
     h.schedule()                      # was: preempts r0 and admits nothing (SpecViolation)
     assert h.state_of("r0") == "running" and h.state_of("r2") == "pending"
+
+
+def test_a_duplicated_answer_does_not_replace_one_held_back():
+    """Found by the state machine with async scheduling: plan 1 decodes r ahead of
+    plan 0's token and is answered first, so the core holds its answer back; the
+    executor then sends plan 1's answer again with another token, which replaced
+    the held one, and r emitted the duplicate's token instead of the first answer's."""
+    from cadence.statemachine.plan import StepResult
+    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=4, max_model_len=8,
+                             admission_headroom_steps=1, async_scheduling=True)
+    h = CheckedHarness(config, CACHE)
+    h.add("r", (2,), 3)
+    h.schedule()
+    ahead = h.schedule().step_id      # r planned ahead of plan 0's token
+    h.complete([], index=1)           # plan 1 answered first: held back
+    duplicate = h.scheduler.update(h.scheduler._inflight[ahead], StepResult(ahead, {"r": [7]}))
+    assert duplicate == []
+    h.complete([], index=0)           # plan 0's answer, then the held one: tokens 1, 1
+    assert h.scheduler.requests["r"].output_token_ids == [1, 1]
