@@ -27,7 +27,7 @@ import attrs
 
 from cadence.statemachine.blocks import BlockManager
 from cadence.statemachine.config import SchedulerConfig
-from cadence.statemachine.fsm import RequestEventKind, RequestState
+from cadence.statemachine.fsm import FinishReason, RequestEventKind, RequestState
 from cadence.statemachine.scheduler import Scheduler
 
 E = RequestEventKind
@@ -147,9 +147,42 @@ for _family in (
            "preempted; they keep the blocks", _forks),
 ):
     register(_family)
-# Overlapped plans register their families here (e.g. "overlap.request_in_two_plans"
-# with a `reachable` that reads the overlap option), next to their invariants in
+
+
+def _overlap(config: SchedulerConfig, scope) -> bool:
+    """Async scheduling with two plans in flight: a decode planned ahead."""
+    return config.async_scheduling and _pipelined(config, scope)
+
+
+def _overtaking(config: SchedulerConfig, scope) -> bool:
+    """A later plan may be answered first, so the core holds its answer back."""
+    return _overlap(config, scope) and _scope("out_of_order", True)(config, scope)
+
+
+# Overlapped plans (async scheduling); their invariants are OVERLAP_INVARIANTS in
 # cadence.spec.invariants.
+for _family in (
+    Family("overlap.request_in_two_plans",
+           "a decoding request is planned ahead: in the next plan before its token arrives",
+           _overlap),
+    Family("overlap.no_lookahead_at_limit",
+           "a request whose token in flight ends it by length is not planned ahead", _overlap),
+    Family("overlap.stop_one_step_late",
+           "a stop token ends a request that a later plan in flight computes (one extra "
+           "token, never emitted)",
+           lambda c, s: _overlap(c, s) and _scope("eos", True)(c, s)),
+    Family("overlap.answer_deferred",
+           "an answer that overtook an older plan sampling for the same request is held back",
+           _overtaking),
+    Family("overlap.held_answer_applied",
+           "a held-back answer is applied once the older plan's answer arrives", _overtaking),
+    Family("overlap.preempted_with_token_in_flight",
+           "a request whose sampled token is still in flight is preempted", _overlap),
+    Family("overlap.executor_lost_ahead",
+           "the executor is lost while a request is planned ahead",
+           lambda c, s: _overlap(c, s) and _scope("executor_loss", True)(c, s)),
+):
+    register(_family)
 
 
 # ---- method wrappers ---------------------------------------------------------------------
@@ -163,6 +196,8 @@ def _hit(name: str) -> None:
 
 def _wrap_preempt(real):
     def _preempt(self, victim, *args, **kwargs):
+        if victim.pending_steps and self.config.async_scheduling:
+            _hit("overlap.preempted_with_token_in_flight")
         caller = sys._getframe(1)
         where = caller.f_code.co_name
         if where == "_preempt_for":
@@ -266,6 +301,9 @@ class Before:
     step_id: int
     resumed: frozenset
     stale: bool
+    num_held: int = 0
+    ahead: frozenset = frozenset()
+    at_limit: frozenset = frozenset()
 
 
 def snapshot(s: Scheduler, plans: list, plan=None) -> Before:
@@ -285,9 +323,17 @@ def snapshot(s: Scheduler, plans: list, plan=None) -> Before:
             if r is None or r.fsm.state is not RequestState.RUNNING or r.admitted_step > plan.step_id:
                 stale = True
                 break
+    # Overlap: requests computed past their known tokens (planned ahead), and
+    # those whose one token in flight ends them by length.
+    running = [r for r in s.requests.values() if r.state is RequestState.RUNNING]
+    ahead = frozenset(r.request_id for r in running if r.num_computed_tokens > r.num_tokens)
+    at_limit = frozenset(r.request_id for r in running if s.config.async_scheduling
+                         and r.num_computed_tokens == r.num_tokens
+                         and len(r.pending_steps) == 1 and r.num_tokens + 1 >= r.length_limit)
     return Before(len(plans), getattr(s.blocks, "num_evictions", 0),
                   getattr(s.collector, "num_admission_memo_hits", 0), s.num_resume_hit_tokens,
-                  memo, s.step_id, resumed, stale)
+                  memo, s.step_id, resumed, stale, len(getattr(s, "_early", ())), ahead,
+                  at_limit)
 
 
 def observe(kind: str, before: Before, s: Scheduler, plans: list, events: Iterable,
@@ -306,12 +352,36 @@ def observe(kind: str, before: Before, s: Scheduler, plans: list, events: Iterab
         out.add("executor_lost")
         if before.num_inflight:
             out.add("executor_lost.inflight")
+        if before.ahead:
+            out.add("overlap.executor_lost_ahead")
     elif kind == "duplicate":
         out.add("result.duplicate")
-    elif kind == "result" and before.stale:
-        out.add("result.stale")
+    elif kind == "result":
+        if before.stale:
+            out.add("result.stale")
+        held = len(getattr(s, "_early", ()))
+        if held > before.num_held:
+            out.add("overlap.answer_deferred")
+        elif held < before.num_held:
+            out.add("overlap.held_answer_applied")
+        # A request planned ahead stops on the one token this answer brought: the
+        # plan ahead computed a token that is never emitted.
+        emitted: Counter = Counter()
+        for e in events:
+            emitted[e.request_id] += len(e.token_ids)
+        if any(e.finish_reason is FinishReason.STOP and e.request_id in before.ahead
+               and emitted[e.request_id] == 1 for e in events):
+            out.add("overlap.stop_one_step_late")
     if kind != "schedule":
         return out
+    requests = s.requests
+    newest = plans[-1].num_scheduled_tokens if len(plans) > before.num_inflight else {}
+    if any(requests[rid].num_computed_tokens > requests[rid].num_tokens
+           for rid in newest if rid in requests):
+        out.add("overlap.request_in_two_plans")
+    if any(rid not in newest and rid in requests and requests[rid].state is RequestState.RUNNING
+           for rid in before.at_limit):
+        out.add("overlap.no_lookahead_at_limit")
     called = "_admit_called" in hits
     if E.ADMIT in kinds:
         out.add("admit")

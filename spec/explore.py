@@ -81,6 +81,9 @@ class Scope:
       exploration (the core's constant is patched while it runs), so that the
       window runs out within a few steps; None keeps the core's.
     prefix_caching: the cache's `enable_prefix_caching`.
+    out_of_order: any plan in flight may be answered next, not only the oldest
+      (with async scheduling an answer that overtakes an older plan sampling
+      for the same request is held back by the core).
     """
 
     name: str = "small"
@@ -113,6 +116,7 @@ class Scope:
     max_depth: int | None = None
     admission_retry_steps: int | None = None
     prefix_caching: bool = True
+    out_of_order: bool = False
 
     def configs(self, policy: str) -> tuple[SchedulerConfig, CacheConfig]:
         """The scheduler and cache configuration this scope explores for `policy`."""
@@ -172,6 +176,17 @@ SCOPES = {
         name="forked", num_blocks=4, max_num_seqs=3, max_num_batched_tokens=4, max_model_len=6,
         shapes=(Shape((1, 2, 3), 3, priority=1, n=2), Shape((4,), 2, tenant="b")),
         max_live=3, config_overrides=_TIGHT, max_depth=9, prefix_caching=False),
+    # Async scheduling: a decode planned ahead of its token, so a request is in two
+    # plans in flight; any plan may be answered first (the core holds an answer
+    # back behind an older one); end-of-sequence choices (a stop one step late),
+    # executor loss, and too few blocks for both shapes (preemption with a token
+    # in flight). Depth-bounded.
+    "overlap": Scope(
+        name="overlap", num_blocks=4, max_num_seqs=2, max_num_batched_tokens=4,
+        max_model_len=6, shapes=(Shape((1, 2, 3), 3, priority=0, tenant="a"),
+                                 Shape((4,), 2, priority=1, tenant="b")),
+        max_live=2, max_inflight=2, out_of_order=True, aborts=False, counter_cap=5.0,
+        config_overrides={**_TIGHT, "async_scheduling": True}, max_depth=9),
     # As small, with two plans in flight (pipelining) and failures.
     "medium": Scope(name="medium", max_inflight=2, fails=True),
     # More blocks, seats, shapes and live requests, two plans in flight.
@@ -200,7 +215,7 @@ def scope_patches(scope: Scope) -> Iterator[None]:
         core.ADMISSION_RETRY_STEPS = saved
 
 
-CI_SCOPES = ("small", "tight", "pipelined", "forked")
+CI_SCOPES = ("small", "tight", "pipelined", "forked", "overlap")
 """The scopes the test suite explores by default; between them every behaviour
 family reachable by a built-in policy is reached (tests/spec/test_coverage.py)."""
 
@@ -232,6 +247,8 @@ def canonical_key(h: Harness, horizon: int, counter_cap: float = float("inf"),
         acc += min(prev - t, horizon)
         ages[t] = acc
         prev = t
+    early = getattr(s, "_early", {})
+    order = {k: i for i, k in enumerate(sorted(s._inflight))}
     bm = s.blocks
     bname: dict[int, int] = {}
     for rid in names:
@@ -251,15 +268,21 @@ def canonical_key(h: Harness, horizon: int, counter_cap: float = float("inf"),
             ages[r.arrival_s], r.num_computed_tokens, r.num_preemptions > 0, r.num_skips,
             bm.num_hashed.get(rid), tuple(bname[b] for b in bm.tables.get(rid, ())), r.cache_salt,
             # Whether each plan in flight predates its last admission (its result is stale).
-            tuple(r.admitted_step > f.plan.step_id for f in h.inflight)))
+            tuple(r.admitted_step > f.plan.step_id for f in h.inflight),
+            # The plans in flight that sample for it, by place among the core's plans.
+            tuple(order[k] for k in r.pending_steps)))
     blocks = (tuple(bm.block_key[b] for b in bname), tuple(bname[b] for b in bm.evictable),
               len(bm.free_ids), tuple(sorted(bname[b] for b in getattr(bm, "retained", ()))))
-    inflight = tuple((tuple(pos.get(rid, -1) for rid in f.plan.num_scheduled_tokens),
+    inflight = tuple((tuple((pos.get(rid, -1), n) for rid, n in f.plan.num_scheduled_tokens.items()),
                       tuple(pos.get(rid, -1) for rid in f.samplers)) for f in h.inflight)
+    # Answers the core holds back (async scheduling), by place among its plans.
+    held = tuple((order[k], tuple(sorted((pos[rid], tuple(t)) for rid, t in
+                                         early[k].sampled_token_ids.items() if rid in pos)))
+                 for k in sorted(early))
     # Ties between equal arrival times are broken by arrival order.
     arrival_order = tuple(pos[r.request_id] for r in sorted(
         requests.values(), key=lambda r: (r.arrival_s, getattr(r, "arrival_seq", 0))))
-    key = (len(running), tuple(reqs), blocks, inflight, arrival_order,
+    key = (len(running), tuple(reqs), blocks, inflight, held, arrival_order,
            _policy_key(s.policy, pos, counter_cap, tenants), _scheduler_extra(s, pos))
     return key, names
 
@@ -270,7 +293,7 @@ _COVERED = frozenset({
     "config", "cache_config", "policy", "blocks", "requests", "running", "step_id", "now_s",
     "collector", "num_resume_hit_tokens", "_watermark_blocks", "_finished_ids", "_events",
     "_inflight", "_deadline_of", "_checker", "_queue_version", "_failed_admission",
-    "_num_arrivals", "_admission_cut", "_min_need"})
+    "_num_arrivals", "_admission_cut", "_min_need", "_early", "_lost"})
 
 
 def _scheduler_extra(s, pos: dict[str, int] | None = None) -> tuple:
@@ -286,9 +309,11 @@ def _scheduler_extra(s, pos: dict[str, int] | None = None) -> tuple:
         memo = (failed[1] == s.blocks.num_releases, max(0, failed[2] - s.step_id),
                 getattr(s, "_min_need", 0),
                 None if cut is None else (pos or {}).get(cut.request_id, cut.request_id))
+    # Requests whose computation was lost with the executor, by position.
+    lost = tuple(sorted((pos or {}).get(rid, -1) for rid in getattr(s, "_lost", ())))
     # An attribute this function does not know is kept whole: exact, if perhaps larger.
     unknown = tuple((k, repr(v)) for k, v in sorted(vars(s).items()) if k not in _COVERED)
-    return (memo, unknown)
+    return (memo, lost, unknown)
 
 
 def _policy_key(policy, pos, cap, tenants) -> tuple:
@@ -349,7 +374,7 @@ def apply_move(h: Harness, move: Move, names: list[str], scope: Scope) -> bool:
     elif kind == "schedule":
         h.schedule()
     elif kind == "complete":
-        h.complete([names[i] for i in move[1]], 0)
+        h.complete([names[i] for i in move[1]], move[2] if len(move) > 2 else 0)
     elif kind == "step":
         h.step([names[i] for i in move[1]])
     elif kind == "duplicate":
@@ -596,8 +621,8 @@ def _successors(h: Harness, names: list[str], scope: Scope, checker: StepChecker
         problems = (checker.check_schedule(h1, before, checker.state(h1), plan, h1.last_events)
                     if check else [])
         yield ("schedule",), h1, problems, False, families("schedule", h1, h1.last_events)
-    if h.inflight:
-        yield from _results(h, names, scope, checker, before, [], "complete", 0,
+    for index in range(len(h.inflight) if scope.out_of_order else min(1, len(h.inflight))):
+        yield from _results(h, names, scope, checker, before, [], "complete", index,
                             set() if probe else None)
 
 
@@ -627,7 +652,10 @@ def _results(h, names, scope, checker, before, problems, kind, index, planned=No
             out += checker.check_update(before, checker.state(h2), flight.plan.step_id,
                                         sampled, events)
         progress = any(e.token_ids or e.transition is RequestEventKind.FINISH for e in events)
-        yield (kind, tuple(sorted(where[r] for r in eos))), h2, out, progress, families
+        move = (kind, tuple(sorted(where[r] for r in eos)))
+        if kind == "complete" and index:
+            move += (index,)  # a later plan answered first
+        yield move, h2, out, progress, families
 
 
 # ---- counterexamples --------------------------------------------------------------------
@@ -664,6 +692,8 @@ def _call(h: Harness, move: Move, names: list[str], scope: Scope) -> str:
         return "h.redeliver()"
     if kind == "schedule":
         return "h.schedule()"
+    if len(move) > 2:
+        return f"h.{kind}(eos={[names[i] for i in move[1]]!r}, index={move[2]})"
     return f"h.{kind}(eos={[names[i] for i in move[1]]!r})"
 
 

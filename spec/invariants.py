@@ -12,6 +12,11 @@ ones that need a plan, a transition or a whole event sequence:
 - `inflight_within_budget` (item 7 with several plans in flight): every plan
   in flight is within the budget and no request has more tokens scheduled
   across them than it has computed;
+- `OVERLAP_INVARIANTS` (async scheduling, a request in two plans at once):
+  pending steps name plans in flight, computed tokens count those in flight,
+  a second plan holds a request only as a one-token decode planned ahead, its
+  blocks are held, nothing is planned past a length limit, and an answer held
+  back waits for an older plan;
 - `transition_events` (item 10 on one transition): the events a call returned
   match the phase changes, along table edges only;
 - `fcfs_within_class` (item 9) and `table_edges_only` / `completed_exactly_once`
@@ -43,6 +48,10 @@ __all__ = [
     "fcfs_within_class", "table_edges_only", "completed_exactly_once",
     "core_table_matches_design", "trace_violations", "plan_gives_every_request_a_token",
     "inflight_within_budget", "INFLIGHT_INVARIANTS", "OVERLAP_INVARIANTS",
+    "pending_steps_name_plans_in_flight", "computed_covers_tokens_in_flight",
+    "request_in_two_plans_only_ahead", "lookahead_blocks_reserved",
+    "no_lookahead_past_length_limit", "held_answers_wait_for_older_plans",
+    "inflight_violations",
 ]
 
 
@@ -90,10 +99,137 @@ PLAN_INVARIANTS = {"plan_within_budget": plan_within_budget,
 INFLIGHT_INVARIANTS = {"inflight_within_budget": inflight_within_budget}
 """Predicates over every plan in flight after a move: (scheduler, plans) -> messages."""
 
-OVERLAP_INVARIANTS: dict[str, Callable] = {}
+def _pending(s):
+    """The live requests with plans in flight that sample for them."""
+    return [r for r in s.requests.values() if r.pending_steps]
+
+
+def pending_steps_name_plans_in_flight(s, plans) -> list[str]:
+    """A request's pending steps are increasing, each a plan in flight that
+    schedules it, either unanswered (`plans`) or answered and held back
+    (`Scheduler._early`); only running requests have them, at most two with
+    async scheduling (the plan ahead) and one without."""
+    out = []
+    unanswered = {p.step_id for p in plans}
+    held = getattr(s, "_early", {})
+    limit = 2 if s.config.async_scheduling else 1
+    for r in _pending(s):
+        rid, pending = r.request_id, r.pending_steps
+        if r.state is not fsm.RequestState.RUNNING:
+            out.append(f"{rid!r} is {r.state.value} with plans pending {pending}")
+        if any(a >= b for a, b in zip(pending, pending[1:])):
+            out.append(f"{rid!r} has pending steps {pending}, not increasing")
+        if len(pending) > limit:
+            out.append(f"{rid!r} has {len(pending)} plans pending {pending}; at most {limit} "
+                       f"with async_scheduling={s.config.async_scheduling}")
+        for k in pending:
+            plan = s._inflight.get(k)
+            if k not in unanswered and k not in held:
+                out.append(f"{rid!r} waits for plan {k}, which is neither in flight nor held back")
+            elif plan is None or rid not in plan.num_scheduled_tokens:
+                out.append(f"{rid!r} waits for plan {k}, which does not schedule it")
+    return out
+
+
+def computed_covers_tokens_in_flight(s, plans) -> list[str]:
+    """A request with pending steps has computed every known token and, for each
+    plan after the first, the position of the token sampled before it:
+    num_computed_tokens == num_tokens + len(pending_steps) - 1."""
+    out = []
+    for r in _pending(s):
+        want = r.num_tokens + len(r.pending_steps) - 1
+        if r.num_computed_tokens != want:
+            out.append(f"{r.request_id!r} computed {r.num_computed_tokens} tokens with "
+                       f"{r.num_tokens} known and plans {r.pending_steps} pending; expected {want}")
+    return out
+
+
+def request_in_two_plans_only_ahead(s, plans) -> list[str]:
+    """A request in two plans in flight (since its admission) whose older one
+    samples for it is in the newer only as a one-token decode planned ahead,
+    with async scheduling, and that newer plan samples for it too."""
+    out = []
+    inflight = [s._inflight[k] for k in sorted(s._inflight)]
+    for r in s.requests.values():
+        rid = r.request_id
+        mine = [p for p in inflight if rid in p.num_scheduled_tokens
+                and p.step_id >= r.admitted_step]
+        for older, newer in zip(mine, mine[1:]):
+            if older.step_id not in r.pending_steps:
+                continue  # successive chunks of a prefill
+            n = newer.num_scheduled_tokens[rid]
+            if not s.config.async_scheduling:
+                out.append(f"{rid!r} is in plans {older.step_id} and {newer.step_id} after "
+                           "sampling in the first, without async scheduling")
+            elif n != 1 or newer.step_id not in r.pending_steps:
+                out.append(f"{rid!r} is planned ahead in plan {newer.step_id} for {n} tokens "
+                           f"(pending {r.pending_steps}); only a one-token decode that samples "
+                           "may follow a plan that samples for it")
+    return out
+
+
+def lookahead_blocks_reserved(s, plans) -> list[str]:
+    """The blocks a plan made before the previous result needs are held: the
+    table of a request with pending steps covers its num_computed_tokens."""
+    bm = s.blocks
+    out = []
+    for r in _pending(s):
+        held, need = len(bm.tables.get(r.request_id, ())), bm.blocks_for(r.num_computed_tokens)
+        if held < need:
+            out.append(f"{r.request_id!r} holds {held} blocks for {r.num_computed_tokens} "
+                       f"computed tokens ({need} needed), plans {r.pending_steps} pending")
+    return out
+
+
+def no_lookahead_past_length_limit(s, plans) -> list[str]:
+    """No request is planned ahead past its length limit: its known tokens plus
+    those in flight stay within it (a token that ends it is never followed)."""
+    return [f"{r.request_id!r} has {r.num_tokens} tokens and {len(r.pending_steps)} in flight "
+            f"past its length limit {r.length_limit}"
+            for r in _pending(s) if r.num_tokens + len(r.pending_steps) > r.length_limit]
+
+
+def held_answers_wait_for_older_plans(s, plans) -> list[str]:
+    """An answer held back is for an answered plan still in flight behind an
+    older one: never the oldest plan's (that one is applied at once), never a
+    plan the executor has not answered."""
+    out = []
+    held = getattr(s, "_early", {})
+    if not held:
+        return out
+    oldest = min(s._inflight, default=None)
+    unanswered = {p.step_id for p in plans}
+    for k, result in held.items():
+        if result.step_id != k:
+            out.append(f"the answer held for plan {k} is plan {result.step_id}'s")
+        if k not in s._inflight:
+            out.append(f"an answer is held for plan {k}, which is not in flight")
+        elif k == oldest:
+            out.append(f"the answer to plan {k}, the oldest in flight, is held back")
+        if k in unanswered:
+            out.append(f"an answer is held for plan {k}, which the executor has not answered")
+    return out
+
+
+OVERLAP_INVARIANTS: dict[str, Callable] = {
+    "pending_steps_name_plans_in_flight": pending_steps_name_plans_in_flight,
+    "computed_covers_tokens_in_flight": computed_covers_tokens_in_flight,
+    "request_in_two_plans_only_ahead": request_in_two_plans_only_ahead,
+    "lookahead_blocks_reserved": lookahead_blocks_reserved,
+    "no_lookahead_past_length_limit": no_lookahead_past_length_limit,
+    "held_answers_wait_for_older_plans": held_answers_wait_for_older_plans,
+}
 """Predicates for overlapped plans (a request in two plans at once, the second
-planned before the first's result), (scheduler, plans) -> messages; checked
-beside INFLIGHT_INVARIANTS after every move once overlapped scheduling lands."""
+planned before the first's result), (scheduler, unanswered plans) -> messages;
+checked beside INFLIGHT_INVARIANTS after every move."""
+
+
+
+def inflight_violations(s, plans) -> list[str]:
+    """Every predicate over the plans in flight that fails, as 'name: message'."""
+    return [f"{name}: {m}" for group in (INFLIGHT_INVARIANTS, OVERLAP_INVARIANTS)
+            for name, pred in group.items() for m in pred(s, plans)]
+
 
 _KIND_NAMES = {k: k.value for k in fsm.RequestEventKind}
 

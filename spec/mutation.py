@@ -2,6 +2,7 @@
 
     python -m cadence.spec.mutation [--jobs 2] [--max-mutants 120] [--seed 0]
                                     [--file scheduler.py] [--only ID ...] [--list]
+                                    [--since REV] [--function NAME ...]
 
 Each mutant is one small change to one file of `statemachine/` (a comparison
 flipped, an arithmetic or boolean operator swapped, a constant moved by one, a
@@ -18,7 +19,10 @@ why no test can tell it from the original.
 Operators apply only to code that makes decisions: docstrings, error messages,
 statistics and the `SKIP_FUNCTIONS` listed below are left alone, so every
 survivor is worth a look. Mutant ids are `file:line:col:operator`, stable while
-the file is unchanged, so a survivor can be rerun with `--only`.
+the file is unchanged, so a survivor can be rerun with `--only`. When the core
+changes, `--since REV` keeps the mutants on lines changed since that git
+revision and `--function NAME` those inside the named functions: a run for the
+new code alone.
 
 A tool of its own rather than mutmut or cosmic-ray: the operators are curated
 for this core (no string, message or statistics mutants to triage), mutants run
@@ -57,6 +61,7 @@ FAST_SUITES = (
     "tests/spec/test_stateful.py",
     "tests/spec/test_trace.py",
     "tests/spec/test_coverage.py",
+    "tests/spec/test_overlap.py",
 )
 """The CI profile's fast tests: the core's unit and stateful tests and the spec
 tests that do not explore a whole scope (the reach scopes' tests do, quickly)."""
@@ -81,21 +86,21 @@ EQUIVALENT: dict[str, str] = {
     # Survivors of the runs so far were otherwise killed by tests in
     # tests/statemachine/test_core_mutation_kills.py; mutants of type annotations,
     # which are never evaluated in these modules, are no longer generated.
-    "scheduler.py:262:72:compare":
+    "scheduler.py:281:72:compare":
         # `step_id < failed[2]` -> `<=`: the failed-admission memo stands one step
         # longer (ADMISSION_RETRY_STEPS + 1). The window is a tuning constant: it
         # changes when a failed pass is looked at again, never what may be admitted,
         # and no property of DESIGN §4 names the retry step. Not equivalent in
         # timing; equivalent for every specified property.
         "the admission memo's retry window one step longer (timing only)",
-    "scheduler.py:492:27:compare":
+    "scheduler.py:560:27:compare":
         # `has_room = budget > 0` -> `>= 0` in `_admit`'s re-check after a
         # displacement. A displacement for budget or a seat takes only a victim
         # scheduled in this step, which gives back its tokens (at least one: no
         # plan schedules a request for zero); one for a running slot leaves the
         # budget as it was, already above zero. So the re-check never sees zero.
         "the budget after a displacement is never zero",
-    "scheduler.py:229:16:break":
+    "scheduler.py:240:16:break":
         # The running loop's `break` when the budget or the seats run out -> `continue`:
         # every later iteration meets the same test first (nothing in between changes
         # the budget or `scheduled`) and continues, and the loop variable is not read
@@ -116,6 +121,7 @@ class Mutant:
     line: int
     operator: str
     description: str
+    function: str = ""
 
     def __str__(self) -> str:
         return f"{self.id}  {self.description}"
@@ -135,34 +141,42 @@ _BINOP_SWAPS = {
 _BOOL_SWAPS = {ast.And: ast.Or, ast.Or: ast.And}
 
 
-def _points(tree: ast.Module) -> Iterator[tuple[ast.AST, str, str, int]]:
-    """Every mutation point of a module: (node, operator name, description, variant)."""
+def _points(tree: ast.Module) -> Iterator[tuple[ast.AST, str, str, int, str]]:
+    """Every mutation point of a module: (node, operator name, description,
+    variant, enclosing function)."""
     for func, node in _walk_decisions(tree):
         if isinstance(node, ast.Compare):
             for i, op in enumerate(node.ops):
                 if type(op) in _COMPARE_SWAPS:
                     new = _COMPARE_SWAPS[type(op)].__name__
-                    yield node, "compare", f"{type(op).__name__} -> {new}", i
+                    yield node, "compare", f"{type(op).__name__} -> {new}", i, func
         elif isinstance(node, ast.BinOp) and type(node.op) in _BINOP_SWAPS:
-            yield node, "arith", f"{type(node.op).__name__} -> {_BINOP_SWAPS[type(node.op)].__name__}", 0
+            yield (node, "arith", f"{type(node.op).__name__} -> "
+                   f"{_BINOP_SWAPS[type(node.op)].__name__}", 0, func)
         elif isinstance(node, ast.AugAssign) and type(node.op) in _BINOP_SWAPS:
-            yield node, "augassign", f"{type(node.op).__name__}= -> {_BINOP_SWAPS[type(node.op)].__name__}=", 0
+            yield (node, "augassign", f"{type(node.op).__name__}= -> "
+                   f"{_BINOP_SWAPS[type(node.op)].__name__}=", 0, func)
         elif isinstance(node, ast.BoolOp):
-            yield node, "boolop", f"{type(node.op).__name__} -> {_BOOL_SWAPS[type(node.op)].__name__}", 0
+            yield (node, "boolop", f"{type(node.op).__name__} -> "
+                   f"{_BOOL_SWAPS[type(node.op)].__name__}", 0, func)
         elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
-            yield node, "not", "drop `not`", 0
+            yield node, "not", "drop `not`", 0, func
         elif (isinstance(node, ast.Constant) and type(node.value) in (int, bool)
               and not isinstance(getattr(node, "_parent", None), ast.Subscript)):
-            yield node, "constant", f"{node.value!r} -> {_constant(node.value)!r}", 0
+            yield node, "constant", f"{node.value!r} -> {_constant(node.value)!r}", 0, func
         elif isinstance(node, ast.Break):
-            yield node, "break", "break -> continue", 0
+            yield node, "break", "break -> continue", 0, func
         elif isinstance(node, ast.Continue):
-            yield node, "continue", "continue -> pass", 0
-        if (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
-                and _is_statement(node)):
-            # A call for its effect (free, push, append, fire): dropping it is a
-            # forgotten step. Assignments are left alone: dropping one is a NameError.
-            yield node, "drop", "statement dropped", 1
+            yield node, "continue", "continue -> pass", 0, func
+        elif (isinstance(node, (ast.If, ast.While, ast.IfExp))
+              and isinstance(node.test, (ast.Name, ast.Attribute, ast.Call, ast.Subscript))):
+            # A bare truth test (`if self._early:`) has no operator of its own to flip.
+            yield node, "negate", "condition negated", 0, func
+        if ((isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+             or isinstance(node, ast.Delete)) and _is_statement(node)):
+            # A call for its effect (free, push, append, fire) or a `del`: dropping it
+            # is a forgotten step. Assignments are left alone: dropping one is a NameError.
+            yield node, "drop", "statement dropped", 1, func
 
 
 def _constant(value):
@@ -229,6 +243,8 @@ def _apply(node: ast.AST, operator: str, variant: int) -> None:
                 setattr(parent, field, node.operand)
             elif isinstance(value, list) and node in value:
                 value[value.index(node)] = node.operand
+    elif operator == "negate":
+        node.test = ast.UnaryOp(ast.Not(), node.test)
     elif operator == "break":
         _replace_stmt(node, ast.Continue())
     elif operator in ("continue", "drop"):
@@ -253,7 +269,7 @@ def enumerate_mutants(files: tuple[str, ...] = FILES) -> list[tuple[Mutant, str]
         tree = ast.parse(source)
         points = list(_points(tree))
         seen: dict[str, int] = {}
-        for index, (node, operator, description, variant) in enumerate(points):
+        for index, (node, operator, description, variant, func) in enumerate(points):
             base = f"{name}:{node.lineno}:{node.col_offset}:{operator}"
             n = seen.get(base, 0)
             seen[base] = n + 1
@@ -267,7 +283,22 @@ def enumerate_mutants(files: tuple[str, ...] = FILES) -> list[tuple[Mutant, str]
             except (SyntaxError, ValueError, RecursionError):
                 continue
             out.append((Mutant(mid, name, node.lineno, operator,
-                               f"{description}: {_line(source, node.lineno)}"), new_source))
+                               f"{description}: {_line(source, node.lineno)}", func),
+                        new_source))
+    return out
+
+
+def changed_lines(since: str, files: tuple[str, ...]) -> dict[str, set[int]]:
+    """Per core file, the lines (of the working tree) added or changed since the
+    git revision `since`."""
+    out: dict[str, set[int]] = {}
+    for name in files:
+        diff = subprocess.run(["git", "-C", str(ROOT), "diff", "-U0", since, "--",
+                               str(CORE / name)], capture_output=True, text=True, check=True)
+        lines = out.setdefault(name, set())
+        for hunk in re.finditer(r"^@@ -\S+ \+(\d+)(?:,(\d+))? @@", diff.stdout, re.M):
+            start, count = int(hunk.group(1)), int(hunk.group(2) or 1)
+            lines.update(range(start, start + count))
     return out
 
 
@@ -340,6 +371,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--file", action="append", help="core file(s) to mutate (default: FILES)")
     parser.add_argument("--only", nargs="+", default=None, help="mutant ids to run")
+    parser.add_argument("--since", default=None,
+                        help="only mutants on lines changed since this git revision")
+    parser.add_argument("--function", action="append",
+                        help="only mutants inside functions of this name (repeatable)")
     parser.add_argument("--suite", action="append", help="test paths (default: FAST_SUITES)")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--out", type=Path, default=None,
@@ -351,7 +386,13 @@ def main(argv: list[str] | None = None) -> int:
                              "that otherwise sets it (use after a clean run of the suites)")
     args = parser.parse_args(argv)
     suites = tuple(args.suite or [s for s in FAST_SUITES if (ROOT / s.split("::")[0]).exists()])
-    mutants = enumerate_mutants(tuple(args.file or FILES))
+    files = tuple(args.file or FILES)
+    mutants = enumerate_mutants(files)
+    if args.since is not None:
+        changed = changed_lines(args.since, files)
+        mutants = [m for m in mutants if m[0].line in changed.get(m[0].path, ())]
+    if args.function:
+        mutants = [m for m in mutants if m[0].function in set(args.function)]
     if args.only:
         wanted = set(args.only)
         mutants = [m for m in mutants if m[0].id in wanted]

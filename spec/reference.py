@@ -15,6 +15,14 @@ outcomes are ALLOWED:
   plan was going to sample, finishing them exactly when a stop token or a
   length limit says so.
 
+With async scheduling a plan may schedule a running request for the position
+of the token its previous plan samples, before that token is known (one plan
+ahead, never when that token ends it by length). Each request then awaits up
+to two plans, oldest first; a result is applied only to requests awaiting it
+first, and a result that overtakes an older plan awaited by the same request
+is held (`deferred`) and applied right after that plan's, so a stop token
+takes effect one step late and the token sampled after it is never emitted.
+
 `Abstraction` maps a `cadence.statemachine.scheduler.Scheduler` to a
 `RefState`; "the core refines the spec" means every step of the core, seen
 through it, is an allowed step here (or changes nothing).
@@ -80,12 +88,15 @@ class RefRequest:
 
 @attrs.frozen
 class RefState:
-    """Live requests, the prefix each cached block holds, and which in-flight
-    plan will sample each running request's next token."""
+    """Live requests, the prefix each cached block holds, the in-flight plans
+    that sample each running request's next tokens (oldest first), the plans in
+    flight, and the answers held back until an older plan's comes."""
 
     requests: Mapping[str, RefRequest]
     contents: Mapping[int, tuple[int, ...]]
-    awaiting: Mapping[str, int]
+    awaiting: Mapping[str, tuple[int, ...]]
+    inflight: tuple[int, ...] = ()
+    deferred: Mapping[int, Mapping[str, tuple[int, ...]]] = attrs.Factory(dict)
 
     def held(self) -> dict[int, list[str]]:
         """Block id -> the requests whose tables hold it."""
@@ -127,19 +138,23 @@ class Abstraction:
 
     Cached blocks are identified by chained keys in the core; the spec wants the
     token prefix a block holds, so this object remembers the prefix behind every
-    key it has seen a live request produce.
+    key it has seen a live request produce (or, through `learn`, a request the
+    spec grew within one move, as when a held-back answer follows its elder).
     """
 
     def __init__(self) -> None:
         self._prefix: dict = {}
         self._learned: set = set()
+        self._salt: dict = {}
+        self._block_size = 1
 
     def __call__(self, s) -> RefState:
-        bs = s.blocks.block_size
+        bs = self._block_size = s.blocks.block_size
         deadline_of = getattr(s.policy, "deadline_of", None)
         requests = {}
         for rid, r in s.requests.items():
             self._learn(r.all_token_ids, r.cache_salt, bs)
+            self._salt[rid] = r.cache_salt
             lim = r.limits
             group = getattr(r, "group", None)
             requests[rid] = RefRequest(
@@ -151,15 +166,21 @@ class Abstraction:
         for b, key in enumerate(s.blocks.block_key):
             if key is not None:
                 contents[b] = self._prefix.get(key, ("unknown", key))
-        awaiting = {}
-        for step_id in sorted(s._inflight):
-            for rid in s._inflight[step_id].num_scheduled_tokens:
-                r = s.requests.get(rid)
-                if r is not None and r.state is RequestState.RUNNING:
-                    awaiting[rid] = step_id
-        awaiting = {rid: k for rid, k in awaiting.items()
-                    if s.requests[rid].num_computed_tokens >= s.requests[rid].num_tokens}
-        return RefState(requests, contents, awaiting)
+        inflight = tuple(sorted(s._inflight))
+        early = getattr(s, "_early", {})
+        deferred = {k: {rid: tuple(t) for rid, t in early[k].sampled_token_ids.items()}
+                    for k in sorted(early)}
+        return RefState(requests, contents, _awaiting(s, inflight), inflight, deferred)
+
+    def learn(self, state: RefState, grown: list[RefRequest]) -> RefState:
+        """`state` with cached contents resolved also from `grown`: versions of
+        requests seen before, with tokens the core knew only within one move."""
+        for r in grown:
+            if r.request_id in self._salt:
+                self._learn(r.tokens, self._salt[r.request_id], self._block_size)
+        contents = {b: self._prefix.get(p[1], p) if p[:1] == ("unknown",) else p
+                    for b, p in state.contents.items()}
+        return attrs.evolve(state, contents=contents)
 
     def _learn(self, tokens, salt, bs) -> None:
         mark = (tuple(tokens), salt)
@@ -168,6 +189,32 @@ class Abstraction:
         self._learned.add(mark)
         for i, key in enumerate(block_keys_for(list(tokens), bs, salt)):
             self._prefix[key] = tuple(tokens[:(i + 1) * bs])
+
+
+def _awaiting(s, inflight: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """Per running request, the plans in flight (made since its last admission)
+    that sample a token for it, read from the plans alone: walking them oldest
+    first from the progress before the first, a plan samples when its chunk
+    reaches the known tokens plus those sampled by the plans before it."""
+    mine: dict[str, list[tuple[int, int]]] = {}
+    for step_id in inflight:
+        for rid, n in s._inflight[step_id].num_scheduled_tokens.items():
+            mine.setdefault(rid, []).append((step_id, n))
+    out = {}
+    for rid, chunks in mine.items():
+        r = s.requests.get(rid)
+        if r is None or r.state is not RequestState.RUNNING:
+            continue
+        chunks = [(k, n) for k, n in chunks if k >= r.admitted_step]
+        position = r.num_computed_tokens - sum(n for _, n in chunks)
+        samplers: list[int] = []
+        for step_id, n in chunks:
+            position += n
+            if position >= r.num_tokens + len(samplers):
+                samplers.append(step_id)
+        if samplers:
+            out[rid] = tuple(samplers)
+    return out
 
 
 class ReferenceSpec:
@@ -239,13 +286,18 @@ class ReferenceSpec:
         """Abort or fail: the request is gone, its blocks are released, cached contents stay."""
         requests = {k: v for k, v in before.requests.items() if k != request_id}
         awaiting = {k: v for k, v in before.awaiting.items() if k != request_id}
-        return RefState(requests, before.contents, awaiting)
+        return attrs.evolve(before, requests=requests, awaiting=awaiting)
 
     def executor_lost(self, before: RefState) -> RefState:
-        """Running requests wait again with nothing computed; every cached block is forgotten."""
+        """Running requests wait again with nothing computed; every cached block is
+        forgotten; plans in flight and answers held back are void."""
         requests = {k: attrs.evolve(v, phase=PENDING, num_computed_tokens=0, table=())
                     if v.phase == RUNNING else v for k, v in before.requests.items()}
         return RefState(requests, {}, {})
+
+    def length_limit(self, r: RefRequest) -> int:
+        """The token count at which `r` finishes for length."""
+        return min(r.num_prompt_tokens + r.max_tokens, self.config.max_model_len)
 
     # ---- a plan ------------------------------------------------------------------------
     def schedule_problems(self, before: RefState, after: RefState, step_id: int,
@@ -273,6 +325,8 @@ class ReferenceSpec:
                 if a.table[:len(b.table)] != b.table or len(a.table) != want:
                     out.append(f"{rid}: table {b.table} -> {a.table}, expected {want} blocks "
                                "extending the old table")
+                if n and a.num_computed_tokens > len(a.tokens):
+                    out += self._ahead_problems(before, b, n)
             elif (b.phase, a.phase) == (RUNNING, PENDING):
                 preempted.append(rid)
                 if a.num_computed_tokens or a.table or n:
@@ -288,6 +342,24 @@ class ReferenceSpec:
         out += self._budget_problems(after, scheduled)
         out += self._block_problems(before, after, admitted, grown, preempted, scheduled)
         out += self._order_problems(before, after, admitted, grown, preempted, scheduled)
+        return out
+
+    def _ahead_problems(self, before: RefState, b: RefRequest, n: int) -> list[str]:
+        """A plan computes a position whose token is not known yet: allowed only with
+        async scheduling, for the token the one plan it awaits samples, one token,
+        and only if that token cannot end it by length."""
+        rid, known = b.request_id, len(b.tokens)
+        if not self.config.async_scheduling:
+            return [f"{rid}: scheduled past its {known} known tokens without async scheduling"]
+        out = []
+        awaited = before.awaiting.get(rid, ())
+        if len(awaited) != 1 or b.num_computed_tokens != known or n != 1:
+            out.append(f"{rid}: planned ahead from {b.num_computed_tokens} computed of {known} "
+                       f"known tokens for {n} tokens while awaiting plans {awaited}; only "
+                       "the one token in flight may be computed ahead")
+        if known + 1 >= self.length_limit(b):
+            out.append(f"{rid}: planned ahead although the token in flight ends it by length "
+                       f"({known} + 1 tokens, limit {self.length_limit(b)})")
         return out
 
     def _admission_problems(self, before: RefState, b: RefRequest, a: RefRequest, n: int) -> list[str]:
@@ -326,8 +398,8 @@ class ReferenceSpec:
             r = after.requests.get(rid)
             if r is None or r.phase != RUNNING or n < 1:
                 out.append(f"plan schedules {rid} for {n} tokens but it is not running")
-            elif r.num_computed_tokens > len(r.tokens):
-                out.append(f"{rid}: scheduled past its tokens")
+            elif r.num_computed_tokens > len(r.tokens) + len(after.awaiting.get(rid, ())):
+                out.append(f"{rid}: scheduled past its tokens and those in flight")
             elif c.long_prefill_token_threshold and n > c.long_prefill_token_threshold:
                 out.append(f"{rid}: {n} tokens > long_prefill_token_threshold")
         return out
@@ -379,7 +451,9 @@ class ReferenceSpec:
             demand = sum(len(after.requests[r].table) - len(before.requests[r].table) for r in grown)
             for rid in preempted:
                 p = before.requests[rid]
-                upto = min(len(p.tokens), p.num_computed_tokens + c.max_num_batched_tokens)
+                # With async scheduling the token in flight's position may be demanded too.
+                ahead = c.async_scheduling and len(before.awaiting.get(rid, ())) == 1
+                upto = min(len(p.tokens) + ahead, p.num_computed_tokens + c.max_num_batched_tokens)
                 demand += max(0, self.blocks_for(upto) - len(p.table))
             by_priority = c.preempt_for_priority and c.enable_priority_scheduling
             for rid in preempted:
@@ -423,27 +497,17 @@ class ReferenceSpec:
     # ---- a result ------------------------------------------------------------------------
     def update_problems(self, before: RefState, after: RefState, step_id: int,
                         sampled: Mapping[str, list[int]]) -> list[str]:
-        """Why `before` -> `after` is not the result of plan `step_id` sampling `sampled`."""
-        c, bs = self.config, self.block_size
+        """Why `before` -> `after` is not the result of plan `step_id` sampling `sampled`.
+
+        A result for a plan not in flight, or already held back, changes nothing.
+        One that samples for a request awaiting an older plan first is held back
+        whole; otherwise it is applied, then every held answer no older plan
+        blocks any more, oldest first."""
+        bs = self.block_size
         out = []
-        expected: dict[str, RefRequest | None] = {}
-        for rid, r in before.requests.items():
-            tokens = sampled.get(rid)
-            if not tokens or before.awaiting.get(rid) != step_id:
-                expected[rid] = r
-                continue
-            out_tokens = list(r.tokens)
-            done = False
-            for t in tokens:
-                out_tokens.append(t)
-                n_out = len(out_tokens) - r.num_prompt_tokens
-                if (t in r.stop_tokens and n_out >= r.min_tokens) or n_out >= r.max_tokens \
-                        or len(out_tokens) >= c.max_model_len:
-                    done = True
-                    break
-            expected[rid] = None if done else attrs.evolve(r, tokens=tuple(out_tokens))
-        for rid, want in expected.items():
-            got = after.requests.get(rid)
+        requests, awaiting, deferred, grown = self.answer(before, step_id, sampled)
+        for rid, b in before.requests.items():
+            want, got = requests.get(rid), after.requests.get(rid)
             if want is None and got is not None:
                 out.append(f"{rid} should have finished, still {got.phase} with {got.tokens}")
             elif want is not None and got != want:
@@ -451,18 +515,78 @@ class ReferenceSpec:
         for rid in after.requests:
             if rid not in before.requests:
                 out.append(f"{rid} appeared in a result")
+        if dict(after.awaiting) != awaiting:
+            out.append(f"after the result of plan {step_id} requests await plans "
+                       f"{dict(after.awaiting)}, expected {awaiting}")
+        if {k: dict(v) for k, v in after.deferred.items()} != deferred:
+            out.append(f"after the result of plan {step_id} answers held back are "
+                       f"{dict(after.deferred)}, expected {deferred}")
         for b, prefix in after.contents.items():
             if before.contents.get(b, prefix) != prefix:
                 out.append(f"block {b} changed contents in a result")
             elif b not in before.contents:
-                holders = [r for r in after.requests.values() if b in r.table] or [
-                    before.requests[x] for x in before.requests if b in before.requests[x].table]
+                holders = [r for r in (*after.requests.values(), *before.requests.values(),
+                                       *grown) if b in r.table]
                 if not any(_prefix_at(h, b, bs) == prefix
                            and len(prefix) <= h.num_computed_tokens for h in holders):
                     out.append(f"block {b} cached as {prefix} which no computed table holds")
         if any(b not in after.contents for b in before.contents):
             out.append("a result forgot cached contents")
         return out
+
+    def answer(self, before: RefState, step_id: int, sampled: Mapping[str, list[int]]):
+        """The result of plan `step_id` applied to `before`: the live requests,
+        the plans they await, the answers held back, and every version of a
+        request it grew (finished ones included: blocks may be cached with them)."""
+        requests, awaiting = dict(before.requests), dict(before.awaiting)
+        deferred = dict(before.deferred)
+        grown: list[RefRequest] = []
+        if step_id in before.inflight and step_id not in deferred:
+            if _blocked(step_id, awaiting):
+                deferred[step_id] = {rid: tuple(t) for rid, t in sampled.items()}
+            else:
+                grown += self._apply(requests, awaiting, step_id, sampled)
+                while True:
+                    ready = [k for k in sorted(deferred) if not _blocked(k, awaiting)]
+                    if not ready:
+                        break
+                    grown += self._apply(requests, awaiting, ready[0], deferred.pop(ready[0]))
+        return requests, awaiting, deferred, grown
+
+    def _apply(self, requests: dict, awaiting: dict, step_id: int,
+               sampled: Mapping[str, list[int]]) -> list[RefRequest]:
+        """Plan `step_id`'s tokens, appended to the requests awaiting it first;
+        those a stop token or a length limit ends are gone. Returns each request
+        grown, with every token appended (a finished one's last included)."""
+        grown = []
+        for rid, tokens in sampled.items():
+            r = requests.get(rid)
+            if r is None or not tokens or awaiting.get(rid, ())[:1] != (step_id,):
+                continue
+            awaiting[rid] = awaiting[rid][1:]
+            if not awaiting[rid]:
+                del awaiting[rid]
+            out_tokens = list(r.tokens)
+            done = False
+            for t in tokens:
+                out_tokens.append(t)
+                n_out = len(out_tokens) - r.num_prompt_tokens
+                if (t in r.stop_tokens and n_out >= r.min_tokens) or \
+                        len(out_tokens) >= self.length_limit(r):
+                    done = True
+                    break
+            grown.append(attrs.evolve(r, tokens=tuple(out_tokens)))
+            if done:
+                del requests[rid]
+                awaiting.pop(rid, None)
+            else:
+                requests[rid] = grown[-1]
+        return grown
+
+
+def _blocked(step_id: int, awaiting: Mapping[str, tuple[int, ...]]) -> bool:
+    """Whether plan `step_id` samples for a request that awaits an older plan first."""
+    return any(step_id in plans[1:] for plans in awaiting.values())
 
 
 def _prefix_at(r: RefRequest, block: int, bs: int):

@@ -12,9 +12,7 @@ from __future__ import annotations
 from cadence.statemachine.invariants import violations
 
 from .harness import EOS_TOKEN, TOKEN, Harness
-from .invariants import (
-    INFLIGHT_INVARIANTS, OVERLAP_INVARIANTS, PLAN_INVARIANTS, transition_events,
-)
+from .invariants import PLAN_INVARIANTS, inflight_violations, transition_events
 from .reference import Abstraction, ReferenceSpec, RefRequest, RefState
 
 
@@ -34,8 +32,10 @@ class StepChecker:
         return self.abstract(h.scheduler)
 
     def check_state(self, h: Harness) -> list[str]:
-        """The state invariants of DESIGN §4 on the real core."""
-        return violations(h.scheduler)
+        """The state invariants of DESIGN §4 on the real core, and the predicates
+        over its plans in flight (budgets, overlap)."""
+        return violations(h.scheduler) + inflight_violations(
+            h.scheduler, [f.plan for f in h.inflight])
 
     def check_add(self, before: RefState, after: RefState, request) -> list[str]:
         """Submitting `request` (a core `Request`) queued it or, if it had to be refused, changed nothing."""
@@ -70,9 +70,6 @@ class StepChecker:
         """A plan is one of the steps the spec allows, within budget."""
         s = h_after.scheduler
         out = [f"{name}: {m}" for name, pred in PLAN_INVARIANTS.items() for m in pred(s, plan)]
-        plans = [f.plan for f in h_after.inflight]
-        out += [f"{name}: {m}" for group in (INFLIGHT_INVARIANTS, OVERLAP_INVARIANTS)
-                for name, pred in group.items() for m in pred(s, plans)]
         out += self.spec.schedule_problems(before, after, plan.step_id, plan.num_scheduled_tokens,
                                            s.now_s)
         return out + transition_events(before, after, events)
@@ -80,6 +77,7 @@ class StepChecker:
     def check_update(self, before: RefState, after: RefState, step_id: int, sampled,
                      events) -> list[str]:
         """A result appended exactly the sampled tokens the plan was waiting for."""
+        after = self.abstract.learn(after, self.spec.answer(before, step_id, sampled)[3])
         out = self.spec.update_problems(before, after, step_id, sampled)
         return out + transition_events(before, after, events)
 
@@ -106,6 +104,11 @@ def _diff(what: str, expected: RefState, actual: RefState) -> list[str]:
         out.append(f"{what}: cached contents {dict(actual.contents)}, spec says {dict(expected.contents)}")
     if dict(expected.awaiting) != dict(actual.awaiting):
         out.append(f"{what}: awaiting {dict(actual.awaiting)}, spec says {dict(expected.awaiting)}")
+    if tuple(expected.inflight) != tuple(actual.inflight):
+        out.append(f"{what}: plans in flight {actual.inflight}, spec says {expected.inflight}")
+    if dict(expected.deferred) != dict(actual.deferred):
+        out.append(f"{what}: answers held back {dict(actual.deferred)}, "
+                   f"spec says {dict(expected.deferred)}")
     return out
 
 

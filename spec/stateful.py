@@ -3,10 +3,12 @@
 `SchedulerStateMachine` plays clients and executor at random: submissions with
 shared prefixes, priorities and tenants, request groups (`n` in 2..4 sharing
 one prompt), aborts, failures, plans (several in flight), results with or
-without end-of-sequence tokens, stale results, and executor loss; single
-members of a group are aborted, failed, or made the victim of the next
-preemption. After every move it checks the invariants of DESIGN §4 and
-that the move refines the reference spec (`cadence.spec.refinement`); at the
+without end-of-sequence tokens, stale results, and executor loss, with or
+without async scheduling (drawn per run: a decode planned before its token
+arrives, answers in any order); single members of a group are aborted, failed,
+or made the victim of the next preemption. After every move it checks the
+invariants of DESIGN §4 and that the move refines the reference spec
+(`cadence.spec.refinement`); at the
 end it validates the recorded trace (`cadence.spec.trace`) and item 9. Each
 move reports the behaviour families it exercised (`cadence.spec.coverage`)
 through `hypothesis.event`, and the number reached through `target`. With
@@ -32,7 +34,7 @@ import os
 from typing import Callable
 
 import attrs
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -81,6 +83,8 @@ class SchedulerStateMachine(RuleBasedStateMachine):
     priorities: tuple[int, ...] = (0, 1, 2)
     tenants: tuple[str, ...] = ("a", "b")
     draw_config: bool = False
+    async_scheduling: bool | None = None
+    """None: each run draws whether plans overlap (decodes planned ahead)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -107,23 +111,29 @@ class SchedulerStateMachine(RuleBasedStateMachine):
     # ---- clients -------------------------------------------------------------------
     @initialize(data=st.data())
     def start(self, data) -> None:
-        """Begin with an empty engine; with `draw_config`, under limits drawn now:
+        """Begin with an empty engine, with or without async scheduling (drawn
+        unless the class fixes it); with `draw_config`, under limits drawn now:
         seats up to twice the budget, budgets down to one token, few blocks."""
-        if not self.draw_config:
-            return
         draw = data.draw
-        budget = draw(st.sampled_from([1, 2, 2, 3, 4, 6]), label="max_num_batched_tokens")
-        # Half the runs have more seats than budget tokens.
-        over = draw(st.booleans(), label="more seats than budget tokens")
-        seats = budget + draw(st.integers(1, 3)) if over else draw(st.integers(1, budget))
-        self.config = attrs.evolve(
-            self.config, max_num_seqs=seats, max_num_batched_tokens=budget,
-            enable_chunked_prefill=True,
-            admission_headroom_steps=draw(st.sampled_from([0, 0, 1, 4]), label="headroom"))
-        full = -(-self.config.max_model_len // self.cache_config.block_size)
-        self.cache_config = attrs.evolve(
-            self.cache_config, num_blocks=draw(st.integers(full, full + 4), label="num_blocks"))
-        self._build()
+        if self.draw_config:
+            budget = draw(st.sampled_from([1, 2, 2, 3, 4, 6]), label="max_num_batched_tokens")
+            # Half the runs have more seats than budget tokens.
+            over = draw(st.booleans(), label="more seats than budget tokens")
+            seats = budget + draw(st.integers(1, 3)) if over else draw(st.integers(1, budget))
+            self.config = attrs.evolve(
+                self.config, max_num_seqs=seats, max_num_batched_tokens=budget,
+                enable_chunked_prefill=True,
+                admission_headroom_steps=draw(st.sampled_from([0, 0, 1, 4]), label="headroom"))
+            full = -(-self.config.max_model_len // self.cache_config.block_size)
+            self.cache_config = attrs.evolve(
+                self.cache_config, num_blocks=draw(st.integers(full, full + 4), label="num_blocks"))
+        overlap = self.async_scheduling
+        if overlap is None:
+            overlap = draw(st.booleans(), label="async_scheduling")
+        event(f"async_scheduling: {overlap}")
+        if self.draw_config or overlap != self.config.async_scheduling:
+            self.config = attrs.evolve(self.config, async_scheduling=overlap)
+            self._build()
 
     @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(2, 9), min_size=1, max_size=5),
           max_tokens=st.integers(1, 4), priority=st.data(), tenant=st.data(),
@@ -192,6 +202,23 @@ class SchedulerStateMachine(RuleBasedStateMachine):
         self.answered.append(flight.plan)
         self._watch("result", lambda: self.h.complete(eos, index), flight.plan)
 
+    @precondition(lambda self: self.h.inflight and self.max_inflight > 1
+                  and self.config.async_scheduling)
+    @rule(eos=st.booleans())
+    def overtake(self, eos):
+        """Plan one more step if there is room, then answer the newest plan before
+        the older ones (with async scheduling the core holds that answer back when
+        an older plan samples for the same request)."""
+        if len(self.h.inflight) < self.max_inflight:
+            self._watch("schedule", self.h.schedule)
+        if len(self.h.inflight) < 2:
+            return
+        index = len(self.h.inflight) - 1
+        flight = self.h.inflight[index]
+        self.answered.append(flight.plan)
+        self._watch("result", lambda: self.h.complete(flight.samplers[:1] if eos else [], index),
+                    flight.plan)
+
     @precondition(lambda self: self.answered)
     @rule(data=st.data())
     def stale_result(self, data):
@@ -254,12 +281,14 @@ def scheduler_state_machine(config: SchedulerConfig | None = None,
                             make_policy: Callable[[SchedulerConfig], SchedulingPolicy] | None = None,
                             *, max_inflight: int = 2, name: str | None = None,
                             max_examples: int | None = None,
-                            draw_config: bool = False) -> type[SchedulerStateMachine]:
+                            draw_config: bool = False,
+                            async_scheduling: bool | None = None) -> type[SchedulerStateMachine]:
     """A `SchedulerStateMachine` subclass for one configuration; use its `.TestCase`.
-    `draw_config`: each run draws tight limits first (see `SchedulerStateMachine.start`)."""
+    `draw_config`: each run draws tight limits first (see `SchedulerStateMachine.start`);
+    `async_scheduling`: fixed on or off (None: drawn per run)."""
     attrs_ = {"config": config or SMALL_CONFIG, "cache_config": cache_config or SMALL_CACHE,
               "make_policy": make_policy, "max_inflight": max_inflight,
-              "draw_config": draw_config}
+              "draw_config": draw_config, "async_scheduling": async_scheduling}
     cls = type(name or f"StateMachine_{(config or SMALL_CONFIG).policy}",
                (SchedulerStateMachine,), attrs_)
     cls.TestCase.settings = state_machine_settings(max_examples)

@@ -49,6 +49,13 @@ def test_what_each_policy_can_reach():
     assert "reject" not in able("deadline", reject_late=False)
     assert "memo.hit" not in able("deadline") and "memo.hit" in able("deadline", "tight")
     assert "inflight.two_plans" not in able("fcfs", "tight")
+    overlap = {n for n in cov.FAMILIES if n.startswith("overlap.")}
+    assert len(overlap) == 7 and overlap <= able("fcfs", "overlap")
+    assert not overlap & able("fcfs", "pipelined"), "async scheduling is off there"
+    assert "overlap.answer_deferred" not in able("fcfs", "overlap", async_scheduling=False)
+    in_order = attrs.evolve(SCOPES["overlap"], out_of_order=False)
+    assert "overlap.answer_deferred" not in set(cov.Coverage(SCOPES["overlap"].configs("fcfs")[0],
+                                                            in_order).reachable())
 
 
 def test_families_are_read_from_outside_the_core():
@@ -133,6 +140,17 @@ class _Recording:
     def teardown(self):
         type(self).seen |= self.families
         super().teardown()
+
+
+def test_the_overlap_hypothesis_machine_reports_overlap_families():
+    base = scheduler_state_machine(attrs.evolve(SMALL_CONFIG, policy="fcfs"),
+                                   async_scheduling=True)
+    machine = type("RecordingOverlap", (_Recording, base), {"seen": set()})
+    run_state_machine_as_test(machine, settings=settings(state_machine_settings(100),
+                                                         derandomize=True, database=None))
+    assert {"overlap.request_in_two_plans", "overlap.answer_deferred",
+            "overlap.held_answer_applied", "overlap.stop_one_step_late",
+            "overlap.no_lookahead_at_limit"} <= machine.seen, machine.seen
 
 
 def test_the_tight_hypothesis_machine_reports_families():

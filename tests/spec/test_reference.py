@@ -25,7 +25,7 @@ def test_abstraction_of_a_running_request():
     state = Abstraction()(h.scheduler)
     a = state.requests["a"]
     assert (a.phase, a.num_computed_tokens, len(a.table)) == ("running", 3, 2)
-    assert state.awaiting == {"a": 0}
+    assert state.awaiting == {"a": (0,)} and state.inflight == (0,)
     h.complete()
     state = Abstraction()(h.scheduler)
     assert state.contents == {state.requests["a"].table[0]: (1, 2)}
