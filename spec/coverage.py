@@ -123,7 +123,7 @@ for _family in (
            "a plan is made with more requests running than the budget has tokens", _over_budget),
     Family("inflight.two_plans", "two plans are in flight at once", _pipelined),
     Family("inflight.request_in_two_plans", "one request is scheduled in two plans in flight",
-           lambda c, s: _pipelined(c, s) and _chunks(c, s)),
+           lambda c, s: _pipelined(c, s) and (_chunks(c, s) or c.async_scheduling)),
     Family("executor_lost", "the executor is lost", _scope("executor_loss", True)),
     Family("executor_lost.inflight", "the executor is lost with plans in flight",
            lambda c, s: _scope("executor_loss", True)(c, s) and _pipelined(c, s)),

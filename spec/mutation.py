@@ -109,6 +109,39 @@ EQUIVALENT: dict[str, str] = {
     "blocks.py:155:11:compare":
         # `if num_new < 0: num_new = 0` -> `<= 0`: at zero it sets zero.
         "clamping zero to zero",
+    # Async scheduling (`--since` the commit that added it; the rest were killed).
+    "scheduler.py:301:27:arith":
+        # `computed >= len(all_token_ids) + len(pending)` -> `- len(pending)` when a
+        # plan records that it samples: the two differ only for a request with pending
+        # steps, and such a request is scheduled only planned ahead (its known tokens
+        # are all computed, so any other chunk is empty), with one step pending and
+        # computed == len + 1 after it, where `>= len + 1` and `>= len - 1` agree.
+        "a request with pending steps is scheduled only planned ahead",
+    "scheduler.py:363:36:compare":
+        # `known = computed if computed < num_tokens else num_tokens` -> `<=`: at
+        # equality both branches give the same number (it is a min).
+        "min() at equality",
+    "scheduler.py:364:19:compare":
+        # `known // block_size > num_hashed[rid]` -> `>=` before
+        # `cache_full_blocks(request, known)`, which returns at once when no block
+        # past `num_hashed` is full: the guard only saves the call.
+        "the callee re-checks the same bound",
+    "scheduler.py:364:19:arith":
+        # `known // block_size` -> `known * block_size` in the same guard: the guard
+        # holds more often; the callee caches exactly the full blocks of `known`.
+        "the callee re-checks the same bound",
+    "scheduler.py:443:20:drop":
+        # `del early[step_id]` for a held answer whose plan is no longer in flight:
+        # unreachable. A plan leaves `_inflight` only when its answer is applied
+        # (held answers are popped first) or with executor loss, which clears both;
+        # an answer to a held plan is ignored. `held_answers_wait_for_older_plans`
+        # checks it in every explored state.
+        "a held answer's plan is always in flight",
+    "scheduler.py:446:31:constant":
+        # `progress = True` -> `False` after applying a held answer: the loop then
+        # stops after one, but `update` ends with `_update_early` itself while any
+        # answer is held, so the recursion applies every answer that becomes ready.
+        "update's own call to _update_early looks again",
 }
 
 

@@ -201,3 +201,76 @@ def test_the_overlap_scope_catches_planning_two_plans_ahead(monkeypatch):
     ex = explore("fcfs", SCOPES["overlap"], keep_graph=False)
     assert ex.violations
     assert "ahead" in "\n".join(ex.violations[0].problems) or "at most 2" in str(ex.violations[0])
+
+
+# Answers in any order with three plans in flight: which held answers the core
+# applies, and when (each test also runs every move past the reference spec).
+def three_requests() -> CheckedHarness:
+    return CheckedHarness(attrs.evolve(CONFIG, max_num_seqs=3, max_num_batched_tokens=8),
+                          attrs.evolve(CACHE, num_blocks=9))
+
+
+def test_an_answer_that_overtakes_an_unrelated_plan_is_applied_at_once():
+    """Plan 1 samples only for b, which plan 0 does not schedule (a's token in
+    flight ends it by length, so a is not planned ahead): nothing to wait for."""
+    h = three_requests()
+    h.add("a", (1, 2, 3), 1)
+    h.schedule()
+    h.add("b", (4, 5), 3)
+    assert h.schedule().num_scheduled_tokens == {"b": 2}
+    h.complete([], index=1)
+    assert h.scheduler.requests["b"].output_token_ids == [1] and not h.scheduler._early
+
+
+def test_a_held_answer_stays_held_while_its_elder_is_unanswered():
+    """Plan 1 (a planned ahead) is held behind plan 0; plan 2 (b's prefill) is
+    answered and applied, and plan 1 must still wait for plan 0."""
+    h = three_requests()
+    h.add("a", (1, 2, 3), 4)
+    h.schedule()
+    h.schedule()
+    h.complete([], index=1)
+    h.add("b", (4, 5), 3)
+    assert h.schedule().num_scheduled_tokens == {"b": 2}
+    h.complete([], index=1)
+    s = h.scheduler
+    assert s.requests["b"].output_token_ids == [1]
+    assert set(s._early) == {1} and s.requests["a"].output_token_ids == []
+    h.complete(["a"], index=0)  # plan 0 stops a; plan 1's token is never emitted
+    assert h.state_of("a") == "gone" and not s._early and not s._inflight
+
+
+def test_a_held_answer_is_applied_once_unblocked_though_an_older_plan_is_in_flight():
+    """Plan 0 prefills x; plan 1 prefills a; plan 2 decodes a ahead and is held
+    behind plan 1. Plan 1's answer unblocks it while plan 0 is still in flight:
+    both of a's tokens are applied then."""
+    h = three_requests()
+    h.add("x", (7, 8, 9), 3)
+    h.schedule()
+    h.add("a", (1, 2, 3), 4)
+    assert set(h.schedule().num_scheduled_tokens) == {"x", "a"}
+    h.abort("x")  # x leaves plan 0 and plan 1 behind, still in flight
+    assert h.schedule().num_scheduled_tokens == {"a": 1}
+    h.complete([], index=2)
+    assert set(h.scheduler._early) == {2}
+    h.complete([], index=1)
+    assert h.scheduler.requests["a"].output_token_ids == [1, 1] and not h.scheduler._early
+    assert list(h.scheduler._inflight) == [0]
+
+
+def test_two_held_answers_are_applied_in_order_after_their_elder():
+    """Plan 1 (a ahead, b's prefill) and plan 2 (b ahead) are both held; plan 0's
+    answer releases plan 1, which releases plan 2."""
+    h = three_requests()
+    h.add("a", (1, 2, 3), 4)
+    h.schedule()
+    h.add("b", (4, 5), 3)
+    assert h.schedule().num_scheduled_tokens == {"a": 1, "b": 2}
+    assert h.schedule().num_scheduled_tokens == {"b": 1}
+    h.complete([], index=2)
+    h.complete([], index=1)
+    s = h.scheduler
+    assert set(s._early) == {1, 2}
+    h.complete([], index=0)
+    assert s.requests["a"].output_token_ids == [1, 1] and s.requests["b"].output_token_ids == [1, 1]
+    assert not s._early and not s._inflight
