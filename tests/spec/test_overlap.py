@@ -93,18 +93,18 @@ def test_each_overlap_invariant_fails_on_a_state_broken_by_hand(name, break_it, 
 
 
 @pytest.mark.parametrize("break_it, message", [
-    (lambda s, h: s._early.update({0: StepResult(0, {"r": [1]})}), "the oldest in flight"),
-    (lambda s, h: s._early.update({7: StepResult(7, {})}), "not in flight"),
-    (lambda s, h: s._early.update({1: StepResult(0, {})}), "is plan 0's"),
-    (lambda s, h: h.inflight.append(h.last_answered_flight), "has not answered"),
+    (lambda s, h, held: s._early.update({0: StepResult(0, {"r": [1]})}), "the oldest in flight"),
+    (lambda s, h, held: s._early.update({7: StepResult(7, {})}), "not in flight"),
+    (lambda s, h, held: s._early.update({1: StepResult(0, {})}), "is plan 0's"),
+    (lambda s, h, held: h.inflight.append(held), "has not answered"),
 ])
 def test_held_answers_wait_fails_on_a_state_broken_by_hand(break_it, message):
     h = ahead(Harness(CONFIG, CACHE))
-    h.last_answered_flight = h.inflight[1]
+    flight = h.inflight[1]
     h.complete([], index=1)
     name = "held_answers_wait_for_older_plans"
     assert problems(h, name) == [] and set(h.scheduler._early) == {1}
-    break_it(h.scheduler, h)
+    break_it(h.scheduler, h, flight)
     found = problems(h, name)
     assert any(message in m for m in found), found
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import sys
 from collections import Counter
 
+import attrs
 import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
@@ -131,7 +132,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                             block_size=block_size,
                             enable_prefix_caching=draw(st.sampled_from([True, True, False]), label="caching"),
                             retain_preempted_blocks=draw(st.booleans(), label="retain preempted"))
-        self.s = Scheduler(config, cache)
+        # Async scheduling: a held step's decodes may be planned ahead of its tokens.
+        overlap = draw(st.booleans(), label="async scheduling")
+        event(f"async_scheduling: {overlap}")
+        self.s = Scheduler(attrs.evolve(config, async_scheduling=overlap), cache)
         self.victim = VictimPreference(self.s.policy)
         self.clock = 0.0
         self.num_ids = 0
@@ -466,7 +470,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         for rid, n in scheduled.items():
             request = s.requests[rid]
             assert request.state is RUNNING and request in s.running
-            assert request.num_computed_tokens <= request.num_tokens <= config.max_model_len
+            # Planned ahead, it has computed the position of the token still in flight.
+            ahead = len(request.pending_steps) - 1 if config.async_scheduling else 0
+            assert request.num_computed_tokens <= request.num_tokens + ahead
+            if request.num_computed_tokens > request.num_tokens:
+                event("family: overlap.request_in_two_plans")
+            assert request.num_tokens <= config.max_model_len
             assert len(request.output_token_ids) < request.limits.max_tokens
             if rid in new:
                 d = new[rid]
@@ -552,8 +561,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert blocks == tables[rid], f"executor's table for {rid} is {blocks}, core's {tables[rid]}"
 
     def _fabricate(self, data, plan: StepPlan) -> StepResult:
+        # A chunk that reaches the known tokens samples; so does a decode planned
+        # ahead (async scheduling), which computes the position of a token in flight.
         sampling = [rid for rid in plan.num_scheduled_tokens
-                    if self.s.requests[rid].num_computed_tokens == self.s.requests[rid].num_tokens]
+                    if self.s.requests[rid].num_computed_tokens >= self.s.requests[rid].num_tokens]
         tokens = data.draw(st.lists(SAMPLED, min_size=len(sampling), max_size=len(sampling)), label="tokens")
         return StepResult(plan.step_id, {rid: [t] for rid, t in zip(sampling, tokens)})
 
