@@ -8,9 +8,10 @@ with `--max-tokens exact` its max_tokens is output_len (EOS ignored); with
 token is EOS, as clients that send a large limit and stop at EOS. Requests of
 priority p belong to tenant "p" (for the fair policy). When nothing is live the
 step counter jumps to the next arrival. The scheduler's clock reads STEP_S
-(20 ms) per step, so its time knobs (aging_s) keep their meaning in seconds.
-Only `schedule()` + `update()` are timed, in CPU time of the driving thread.
-Waits are steps from arrival to first admission.
+(20 ms) per step, or what `--step-s` says (repeatable: the matrix runs at each);
+the counters must not depend on it, since the core's policies count in steps
+and tokens, not seconds. Only `schedule()` + `update()` are timed, in CPU time
+of the driving thread. Waits are steps from arrival to first admission.
 
 Prints one JSON line per run. Usage:
     python benchmarks/scheduler_overhead.py                    # every preset, fcfs, exact, caching on
@@ -19,6 +20,8 @@ Prints one JSON line per run. Usage:
         # every preset x policy x max-tokens mode x caching (a subset: repeat
         # --preset / --policy / --max-tokens / --caching), with the vLLM model's
         # figures for the same mode, and a table at the end
+    python benchmarks/scheduler_overhead.py --matrix --vllm --step-s 1 --step-s 0.02
+        # the same at two clock scales (a slow engine and a fast one)
     python benchmarks/scheduler_overhead.py --waiting-scaling  # 1,000 vs 100,000 waiting, every policy
 """
 
@@ -77,8 +80,7 @@ def make_scheduler(engine: dict, policy: str, prefix_caching: bool, **overrides)
 def replay(records: list[dict], engine: dict, policy: str = "fcfs", prefix_caching: bool = True,
            max_tokens: str = "exact", step_s: float = STEP_S, **overrides) -> dict:
     """Run one trace through a fresh scheduler and return the figures. The
-    scheduler's clock reads `step_s` seconds per step (its time knobs, such as
-    aging_s, are in seconds); waits are reported in steps."""
+    scheduler's clock reads `step_s` seconds per step; waits are reported in steps."""
     if max_tokens not in MAX_TOKENS_MODES:
         raise ValueError(f"max_tokens must be one of {MAX_TOKENS_MODES}, got {max_tokens!r}")
     core = make_scheduler(engine, policy, prefix_caching, **overrides)
@@ -217,7 +219,7 @@ TABLE_FIELDS = ("steps", "tokens_scheduled", "preemptions", "median_wait", "p99_
 
 def table(rows: list[dict]) -> str:
     """A markdown table of matrix rows, the vLLM model's figures beside each."""
-    head = ("| preset | policy | max_tokens | caching | steps | tokens | preempt | wait p50 | "
+    head = ("| preset | policy | max_tokens | caching | s/step | steps | tokens | preempt | wait p50 | "
             "wait p99 | prio-0 wait p50 | µs/req-step | vLLM steps | vLLM tokens | vLLM preempt "
             "| vLLM wait p50 | vLLM p99 | vLLM prio-0 p50 |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -227,7 +229,7 @@ def table(rows: list[dict]) -> str:
         v = r.get("vllm") or {}
         lines.append("| " + " | ".join(str(x) for x in (
             r["preset"], r["policy"], r["max_tokens"], "on" if r["prefix_caching"] else "off",
-            *(r[f] for f in TABLE_FIELDS),
+            r["step_s"], *(r[f] for f in TABLE_FIELDS),
             *(v.get(f, "") for f in ("steps", "tokens_scheduled", "preemptions", "median_wait",
                                      "p99_wait", "median_wait_priority0")))) + " |")
     return "\n".join(lines)
@@ -250,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm", action="store_true",
                     help="add the vLLM model's figures for the same preset, mode and caching "
                          "(its priority policy beside priority, FCFS beside the others)")
+    ap.add_argument("--step-s", action="append", type=float,
+                    help=f"seconds the scheduler's clock advances per step (default {STEP_S}); "
+                         "repeatable: every run is made at each")
     ap.add_argument("--out", help="also append the JSON lines to this file")
     ap.add_argument("--repeat", type=int, default=1, help="runs per preset; the median run is printed")
     ap.add_argument("--waiting-scaling", action="store_true")
@@ -278,21 +283,27 @@ def main(argv: list[str] | None = None) -> int:
                                ["off", "on"] if args.matrix else ["on"])
     runs = [(args.trace, load(args.trace), engine_config(args.engine_preset))] if args.trace else [
         (p, generate(p), engine_config(p)) for p in (args.preset or list(PRESETS))]
+    clocks = args.step_s or [STEP_S]
     rows = []
     for name, records, engine in runs:
         for policy in policies:
+            vllm_policy = "priority" if policy == "priority" else "fcfs"
             for mode in modes:
                 for cache in caching:
                     on = cache == "on"
-                    results = [replay(records, engine, policy, on, mode) for _ in range(args.repeat)]
-                    results.sort(key=lambda r: r["sched_total_s"])
-                    row = {"bench": "scheduler_overhead", "preset": name, "policy": policy,
-                           "max_tokens": mode, "prefix_caching": on, **results[len(results) // 2]}
-                    if args.vllm:
-                        row["vllm"] = vllm_replay(records, engine, on,
-                                                  policy="priority" if policy == "priority" else "fcfs")
-                    rows.append(row)
-                    emit(row)
+                    # The vLLM model reads no clock: one run serves every clock scale.
+                    vllm = vllm_replay(records, engine, on, policy=vllm_policy) if args.vllm else None
+                    for step_s in clocks:
+                        results = [replay(records, engine, policy, on, mode, step_s)
+                                   for _ in range(args.repeat)]
+                        results.sort(key=lambda r: r["sched_total_s"])
+                        row = {"bench": "scheduler_overhead", "preset": name, "policy": policy,
+                               "max_tokens": mode, "prefix_caching": on, "step_s": step_s,
+                               **results[len(results) // 2]}
+                        if vllm is not None:
+                            row["vllm"] = vllm
+                        rows.append(row)
+                        emit(row)
     if args.matrix or len(rows) > 1:
         print(table(rows))
     return 0

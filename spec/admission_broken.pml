@@ -18,7 +18,7 @@
  */
 
 #define N       3
-#define AGING   2                  /* rounds per priority level (aging_s) */
+#define AGING   2                  /* rounds per priority level (aging_steps) */
 #define MAXAGE  (AGING + 1)        /* ages beyond this change no comparison */
 #define NONE    255
 

@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="Hypothesis examples for the state machine")
     parser.add_argument("--horizon", type=int, default=None,
                         help="ticks beyond which arrival gaps are merged (default: derived "
-                             "from aging_s and deadlines; raise it for a time-sensitive policy)")
+                             "from aging_steps and deadlines; raise it for a time-sensitive policy)")
     parser.add_argument("--no-liveness", action="store_true", help="skip the starvation search")
     parser.add_argument("--no-stateful", action="store_true", help="skip the state machine")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")

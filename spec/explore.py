@@ -104,7 +104,7 @@ class Scope:
     executor_loss: bool = True
     fails: bool = False
     config_overrides: dict = attrs.field(factory=lambda: {
-        "aging_s": 2.0, "default_deadline_s": 3.0, "starvation_skip_limit": 2,
+        "aging_steps": 2, "default_deadline_s": 3.0, "starvation_skip_limit": 2,
         "admission_headroom_steps": 1,
         # The length estimator's window is history without bound; the Hypothesis
         # machines cover predicted lengths instead.
@@ -134,13 +134,13 @@ class Scope:
             return self.time_horizon
         prios = [s.priority for s in self.shapes]
         offsets = [s.deadline_after_s for s in self.shapes if s.deadline_after_s is not None]
-        spans = [config.aging_s * (max(prios) - min(prios)), config.default_deadline_s]
+        spans = [config.aging_steps * (max(prios) - min(prios)), config.default_deadline_s]
         spans += [abs(o) for o in offsets] + [abs(a - b) for a in offsets for b in offsets]
         spans += [abs(o - config.default_deadline_s) for o in offsets]
         return int(max(spans)) + 2
 
 
-_TIGHT = {"aging_s": 2.0, "default_deadline_s": 3.0, "starvation_skip_limit": 2,
+_TIGHT = {"aging_steps": 2, "default_deadline_s": 3.0, "starvation_skip_limit": 2,
           "admission_headroom_steps": 0, "predict_output_lengths": False}
 _REACH_SHAPES = (Shape((1, 2, 3), 4, priority=0, tenant="a"),
                  Shape((4,), 3, priority=1, tenant="b"))

@@ -141,6 +141,9 @@ class Harness:
             self.scheduler.add_request(request)
         except (QueueFullError, InvalidRequestError):
             return False
+        # The canonical key ages requests by arrival_s alone: it stands for the
+        # arrival step the priority policy ages by only while the two agree.
+        assert request.arrival_step == now, (request.arrival_step, now)
         self._record(self.tick, rid, "add", prompt_len=len(prompt), max_tokens=max_tokens,
                      priority=priority, tenant=tenant)
         return True

@@ -50,7 +50,7 @@ from .refinement import CheckedHarness, _diff
 from .trace import validate_trace
 
 SMALL_CONFIG = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=8, max_model_len=12,
-                               aging_s=3.0, default_deadline_s=6.0, starvation_skip_limit=3,
+                               aging_steps=3, default_deadline_s=6.0, starvation_skip_limit=3,
                                admission_headroom_steps=1)
 SMALL_CACHE = CacheConfig(num_blocks=7, block_size=2)
 

@@ -97,8 +97,11 @@ class SchedulerConfig:
         below), or `package.module:Class` for a user policy.
       enable_priority_scheduling: when off, request priorities are ignored by every
         policy and never cause preemption.
-      aging_s: under `priority`, a waiting request gains one priority level per
-        `aging_s` seconds waited, so low priorities cannot starve.
+      aging_steps: under `priority`, a waiting request gains one priority level per
+        `aging_steps` scheduler steps waited, so low priorities cannot starve.
+        Counted in steps rather than seconds, so the balance between priority and
+        age, and with it which requests may displace which, is the same on a fast
+        engine and a slow one (800 steps: 16 s at 20 ms per step).
       default_deadline_s: under `deadline`, the deadline of a request without one is
         its arrival plus this.
       reject_late: under `deadline`, a waiting request whose deadline has passed
@@ -183,7 +186,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = attrs.field(default="fcfs", validator=_policy_name)
     enable_priority_scheduling: bool = True
-    aging_s: float = attrs.field(default=16.0, validator=_at_least(0.0))
+    aging_steps: int = attrs.field(default=800, validator=_at_least(0))
     default_deadline_s: float = attrs.field(default=60.0, validator=_at_least(0.0))
     reject_late: bool = False
     fair_input_weight: float = attrs.field(default=1.0, validator=_at_least(0.0))

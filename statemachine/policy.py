@@ -144,9 +144,11 @@ class FcfsPolicy(KeyedPolicy):
 
 
 class PriorityPolicy(KeyedPolicy):
-    """Lower priority value first, aged: a request gains one level per `aging_s`
-    seconds waited, so its key priority * aging_s + arrival_s is static and no
-    request waits forever behind later arrivals. A waiting request may preempt a
+    """Lower priority value first, aged: a request gains one level per
+    `aging_steps` scheduler steps waited, so its key priority * aging_steps +
+    arrival_step is static and no request waits forever behind later arrivals.
+    Nothing here reads a clock: the order, and so which request may displace
+    which, is the same whatever a step lasts. A waiting request may preempt a
     running one of strictly lower priority that it is also ahead of in the aged
     order."""
 
@@ -156,7 +158,7 @@ class PriorityPolicy(KeyedPolicy):
     def key(self, request: Request) -> tuple:
         if not self.use_priority:
             return (request.arrival_s,)
-        return (request.priority * self.config.aging_s + request.arrival_s,)
+        return (request.priority * self.config.aging_steps + request.arrival_step,)
 
     def may_preempt(self, waiting: Request, running: Request) -> bool:
         """Higher priority by at least `preempt_min_priority_gap`, and ahead in the

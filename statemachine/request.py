@@ -52,7 +52,7 @@ class Request:
         "arrival_s", "cache_salt", "fsm", "output_token_ids", "all_token_ids",
         "num_prompt_tokens", "num_computed_tokens", "num_preemptions", "block_hashes",
         "num_skips", "queue_seq", "first_scheduled_s", "num_cached_tokens",
-        "stop_token_set", "finish_detail", "arrival_seq",
+        "stop_token_set", "finish_detail", "arrival_seq", "arrival_step",
         "admitted_step", "length_limit", "pending_steps", "group",
     )
 
@@ -94,6 +94,8 @@ class Request:
         self.queue_seq = 0
         # Set by the scheduler on arrival: breaks ties between equal arrival times.
         self.arrival_seq = 0
+        # Set by the scheduler on arrival: the step it arrived before (ages in steps).
+        self.arrival_step = 0
         # The step that last admitted it: older plans' results no longer apply.
         self.admitted_step = -1
         # The plans in flight that sample a token for it, oldest first: the tokens

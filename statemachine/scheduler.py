@@ -135,6 +135,7 @@ class Scheduler:
                            request.block_hashes)
         self._num_arrivals += 1
         request.arrival_seq = self._num_arrivals
+        request.arrival_step = self.step_id
         request.length_limit = min(total, config.max_model_len)
         self.requests[rid] = request
         self.policy.push(request)

@@ -115,7 +115,7 @@ class Scenario:
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len, max_waiting=self.max_waiting, policy=self.policy,
-            aging_s=0.05, default_deadline_s=0.5, reject_late=self.reject_late, debug_checks=True)
+            aging_steps=16, default_deadline_s=0.5, reject_late=self.reject_late, debug_checks=True)
 
 
 @attrs.define

@@ -11,7 +11,7 @@ from cadence.spec.refinement import CheckedHarness
 from cadence.statemachine.config import CacheConfig, SchedulerConfig
 
 CONFIG = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=8, max_model_len=12,
-                         aging_s=3.0, starvation_skip_limit=3, admission_headroom_steps=1,
+                         aging_steps=3, starvation_skip_limit=3, admission_headroom_steps=1,
                          policy="priority")
 CACHE = CacheConfig(num_blocks=7, block_size=2)
 

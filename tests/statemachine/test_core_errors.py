@@ -147,7 +147,7 @@ def test_an_id_may_be_reused_after_completion():
 
 BAD_SCHEDULER_FIELDS = [
     ("max_num_seqs", 0), ("max_num_batched_tokens", 0), ("max_model_len", 0), ("max_waiting", -1),
-    ("long_prefill_token_threshold", -1), ("aging_s", -1.0), ("default_deadline_s", -0.5),
+    ("long_prefill_token_threshold", -1), ("aging_steps", -1), ("default_deadline_s", -0.5),
     ("fair_input_weight", -1.0), ("fair_output_weight", -1.0), ("starvation_skip_limit", -1),
     ("max_lookahead", -1), ("admission_watermark", 1.0), ("admission_watermark", -0.1),
     ("admission_growth_share", 1.5), ("admission_growth_share", -0.1),

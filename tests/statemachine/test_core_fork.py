@@ -130,7 +130,7 @@ def test_aborting_one_member_keeps_the_others_blocks_and_outputs():
 def test_preempting_the_leader_mid_prompt_still_completes_every_member():
     # Priority 1 group; a priority 0 request that needs most blocks displaces its leader mid-prompt.
     s = make_scheduler("priority", enable_prefix_caching=False, block_size=BLOCK, num_blocks=12,
-                       max_num_batched_tokens=8, max_model_len=48, aging_s=1000.0)
+                       max_num_batched_tokens=8, max_model_len=48, aging_steps=1000)
     members = group(3, max_tokens=3, priority=1)
     s.add_group(members)
     step(s, 0.0)

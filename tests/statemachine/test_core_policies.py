@@ -12,6 +12,7 @@ import pytest
 from cadence.statemachine.config import SchedulerConfig
 from cadence.statemachine.fsm import FinishReason, RequestEventKind, RequestState
 from cadence.statemachine.policy import POLICIES, FairPolicy, SchedulingPolicy, make_policy
+from cadence.statemachine.request import Request
 
 from core_helpers import (
     admissions, completions, first_admissions, make_request, make_scheduler, run_until_idle, step,
@@ -54,23 +55,45 @@ def test_priority_orders_lower_value_first():
     """Without much waiting, priority order wins over arrival order."""
     reqs = [dict(rid="low", priority=2, arrival_s=0.0), dict(rid="mid", priority=1, arrival_s=0.5),
             dict(rid="high", priority=0, arrival_s=1.0)]
-    assert order_of("priority", reqs, aging_s=16.0) == ["high", "mid", "low"]
+    assert order_of("priority", reqs, aging_steps=16) == ["high", "mid", "low"]
+
+
+def queued(rid: str, priority: int, arrival_step: int, seq: int) -> Request:
+    """A request as the scheduler stamps it on arrival at `arrival_step`."""
+    r = make_request(rid, 2, max_tokens=1, priority=priority)
+    r.arrival_step, r.arrival_seq = arrival_step, seq
+    return r
 
 
 def test_priority_aging_lets_an_old_low_priority_request_overtake():
-    """A low-priority request that has waited more than aging_s per level goes
-    before a newer high-priority one."""
-    reqs = [dict(rid="old-low", priority=2, arrival_s=0.0),     # key 2 * 10 + 0 = 20
-            dict(rid="new-high", priority=0, arrival_s=25.0),   # key 25
-            dict(rid="mid-high", priority=0, arrival_s=15.0)]   # key 15
-    assert order_of("priority", reqs, aging_s=10.0) == ["mid-high", "old-low", "new-high"]
+    """A low-priority request that has waited more than aging_steps per level
+    goes before a newer high-priority one."""
+    policy = make_policy(SchedulerConfig(policy="priority", aging_steps=10))
+    for r in (queued("old-low", 2, 0, 1),      # key 2 * 10 + 0 = 20
+              queued("mid-high", 0, 15, 2),    # key 15
+              queued("new-high", 0, 25, 3)):   # key 25
+        policy.push(r)
+    assert [policy.pop().request_id for _ in range(3)] == ["mid-high", "old-low", "new-high"]
+
+
+def test_priority_ages_in_steps_whatever_the_clock_reads():
+    """The order depends on the steps a request arrived at, not on arrival_s:
+    the same arrivals stamped a thousand times further apart in seconds keep it."""
+    orders = []
+    for scale in (0.001, 1.0, 1000.0):
+        policy = make_policy(SchedulerConfig(policy="priority", aging_steps=10))
+        for r in (queued("old-low", 2, 0, 1), queued("new-high", 0, 25, 2)):
+            r.arrival_s = r.arrival_step * scale
+            policy.push(r)
+        orders.append([policy.pop().request_id for _ in range(2)])
+    assert orders == [["old-low", "new-high"]] * 3
 
 
 def test_strict_priority_never_ages():
     """strict-priority keeps the old low-priority request last, however long it waited."""
     reqs = [dict(rid="old-low", priority=2, arrival_s=0.0), dict(rid="new-high", priority=0, arrival_s=1e6),
             dict(rid="mid", priority=1, arrival_s=5e5)]
-    assert order_of("strict-priority", reqs, aging_s=10.0) == ["new-high", "mid", "old-low"]
+    assert order_of("strict-priority", reqs, aging_steps=10) == ["new-high", "mid", "old-low"]
 
 
 @pytest.mark.parametrize("policy", ["priority", "strict-priority", "weighted"])

@@ -105,7 +105,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                                           if chunked else 0),
             enable_chunked_prefill=chunked,
             enable_priority_scheduling=draw(st.sampled_from([True, True, False]), label="priorities"),
-            aging_s=draw(st.sampled_from([0.0, 2.0, 16.0]), label="aging_s"),
+            aging_steps=draw(st.sampled_from([0, 2, 16]), label="aging_steps"),
             default_deadline_s=draw(st.sampled_from([1.0, 4.0, 60.0]), label="default_deadline_s"),
             reject_late=draw(st.booleans(), label="reject_late"),
             throughput_weight=draw(st.sampled_from([0.0, 0.0, 1.0]), label="throughput_weight"),
@@ -673,8 +673,9 @@ def test_regression_a_request_is_never_admitted_and_preempted_in_one_step():
     preempt l within the same schedule(). (It did: l stayed in plan.new_requests
     with block ids given to h, was also in plan.preempted_ids, and its skip went
     uncounted.)"""
-    s = make_scheduler("priority", num_blocks=4, block_size=4, aging_s=10.0)
+    s = make_scheduler("priority", num_blocks=4, block_size=4, aging_steps=10)
     s.add_request(make_request("l", 12, max_tokens=4, priority=1, arrival_s=0.0))  # key 10
+    s.step_id = 15  # h arrives 15 steps later
     s.add_request(make_request("h", 8, max_tokens=4, priority=0, arrival_s=15.0))  # key 15
     plan = s.schedule(16.0)
     new = [d.request_id for d in plan.new_requests]
