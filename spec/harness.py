@@ -412,6 +412,10 @@ def _clone_policy(policy, rmap: dict, config) -> SchedulingPolicy:
         new.__dict__.update(vars(policy))
         new.counters = dict(policy.counters)
         new.num_active = dict(policy.num_active)
+        # The heap over tenants holds (key, rank, tenant) tuples: a list copy will do.
+        new._tenants = list(policy._tenants)
+        new._in_heap = set(policy._in_heap)
+        new._rank = dict(policy._rank)
         if "_examined" in vars(policy):
             new._examined = set(policy._examined)
         new.queues = {t: type(q)(_remap(entry, rmap) for entry in q)
@@ -425,12 +429,13 @@ def _clone_policy(policy, rmap: dict, config) -> SchedulingPolicy:
 
 _KEYED_FIELDS = frozenset({"config", "use_priority", "_heap", "_count", "_seq"})
 _FAIR_FIELDS = frozenset({"config", "counters", "queues", "num_active", "_count", "_seq",
-                          "_examined"})
+                          "_examined", "_tenants", "_in_heap", "_rank"})
 
 
 _BLOCK_FIELDS = frozenset({"num_blocks", "block_size", "enable_prefix_caching", "ref_counts",
-                           "free_ids", "evictable", "block_key", "cached", "tables", "num_hashed",
-                           "num_query_tokens", "num_hit_tokens", "num_evictions"})
+                           "free_ids", "evictable", "retained", "_unretained", "block_key",
+                           "cached", "tables", "num_hashed", "num_query_tokens", "num_hit_tokens",
+                           "num_evictions", "num_releases"})
 
 
 def _clone_blocks(bm):
@@ -442,6 +447,8 @@ def _clone_blocks(bm):
     d["ref_counts"] = list(bm.ref_counts)
     d["free_ids"] = list(bm.free_ids)
     d["evictable"] = bm.evictable.copy()
+    d["retained"] = set(bm.retained)
+    d["_unretained"] = bm._unretained.copy()
     d["block_key"] = list(bm.block_key)
     d["cached"] = dict(bm.cached)
     d["tables"] = {rid: list(t) for rid, t in bm.tables.items()}

@@ -4,6 +4,8 @@ Runs at CADENCE_SPEC_SCOPE (small by default); the state and transition
 counts are printed (pytest -s) and asserted to be non-trivial.
 """
 
+import copy
+
 import pytest
 
 from cadence.spec.explore import CI_SCOPES, SCOPES, Scope, Shape, canonical_key, explore
@@ -65,6 +67,37 @@ def test_canonical_key_ignores_names_but_not_progress():
     c = a.clone()
     c.step()
     assert canonical_key(a, 3)[0] == canonical_key(b, 3)[0] != canonical_key(c, 3)[0]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "fair"])
+def test_clones_are_made_by_hand_and_independent(policy, monkeypatch):
+    """The explorer clones a harness per transition: every field of the core's
+    structures must be copied by hand (a field missed falls back to a deep copy,
+    several times slower), and a clone must not share mutable state. Preemption
+    leaves retained blocks, so every block-manager field is populated."""
+    config, cache = SCOPES["tight"].configs(policy)
+    h = Harness(config, cache)
+    h.add("a", (1, 2, 3), 4, tenant="a")
+    h.add("b", (4,), 3, priority=1, tenant="b")
+    for _ in range(6):
+        h.step()
+    assert h.scheduler.blocks.num_releases > 0
+    before = canonical_key(h, 3)[0]
+
+    def no_deepcopy(*args, **kwargs):
+        raise AssertionError("clone fell back to copy.deepcopy")
+
+    monkeypatch.setattr(copy, "deepcopy", no_deepcopy)
+    c = h.clone()
+    monkeypatch.undo()
+    blocks, copied = h.scheduler.blocks, c.scheduler.blocks
+    for name, value in vars(blocks).items():
+        if isinstance(value, (list, dict, set)):
+            assert getattr(copied, name) is not value, f"BlockManager.{name} is shared"
+    c.add("c", (5,), 2, tenant="a")
+    while c.scheduler.requests:
+        c.step()
+    assert canonical_key(h, 3)[0] == before
 
 
 def test_a_broken_core_gives_a_shortest_runnable_counterexample(monkeypatch):
