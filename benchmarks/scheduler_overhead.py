@@ -77,6 +77,26 @@ def make_scheduler(engine: dict, policy: str, prefix_caching: bool, **overrides)
     return Scheduler(sched, cache)
 
 
+def tokens_floor(records: list[dict], block_size: int, prefix_caching: bool) -> int:
+    """The fewest tokens any scheduler computes for the trace: every prompt token
+    and every output token but the last (which is sampled, never fed back); with
+    prefix caching, each full prompt block whose prefix an earlier request
+    already had is computed once (the last prompt token always is, for its
+    logits). No preemption, no recompute."""
+    seen: set[tuple[int, ...]] = set()
+    total = 0
+    for r in records:
+        prompt = prompt_tokens(r)
+        full = (len(prompt) - 1) // block_size
+        hit = 0
+        if prefix_caching:
+            while hit < full and tuple(prompt[:(hit + 1) * block_size]) in seen:
+                hit += 1
+            seen.update(tuple(prompt[:(i + 1) * block_size]) for i in range(hit, full))
+        total += len(prompt) - hit * block_size + r["output_len"] - 1
+    return total
+
+
 def replay(records: list[dict], engine: dict, policy: str = "fcfs", prefix_caching: bool = True,
            max_tokens: str = "exact", step_s: float = STEP_S, **overrides) -> dict:
     """Run one trace through a fresh scheduler and return the figures. The
@@ -167,6 +187,7 @@ def replay(records: list[dict], engine: dict, policy: str = "fcfs", prefix_cachi
         "bins": bins,
         "tokens_scheduled": stats.num_scheduled_tokens,
         "tokens_over_prompt_plus_output": round(stats.num_scheduled_tokens / (prompt_total + output_total), 4),
+        "tokens_floor": tokens_floor(records, engine["block_size"], prefix_caching),
         "preemptions": stats.num_preemptions,
         "recompute_tokens": stats.num_recompute_tokens,
         "prefix_hit_tokens": stats.num_prefix_hit_tokens,
