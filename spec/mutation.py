@@ -142,6 +142,25 @@ EQUIVALENT: dict[str, str] = {
         # stops after one, but `update` ends with `_update_early` itself while any
         # answer is held, so the recursion applies every answer that becomes ready.
         "update's own call to _update_early looks again",
+    # The fair policy (`--function` on its queue bookkeeping; the rest were killed).
+    "policy.py:281:8:drop":
+        # `_activate`'s `self._examined.discard(request.request_id)` dropped: the id of
+        # a request pushed back stays in `_examined` while it waits. Only `_activate`
+        # reads the set, and only for a push; a waiting request is pushed again only
+        # after a `pop`, which adds its id anyway, and it leaves the queue by `pop`,
+        # `remove` or being scheduled (both discard). So every read sees the same answer.
+        "a waiting request's id is re-added by the pop before any read",
+    "policy.py:358:11:compare":
+        # `if prompt_left > 0` -> `>= 0` in `on_scheduled`: at zero the charge added is
+        # min(0, n) * weight = 0, and the tenant's counter already exists (set when its
+        # request was pushed), so the counters are unchanged.
+        "charging zero prompt tokens adds nothing",
+    # Priority aging in steps (`--since` the commit that added it; the rest were killed).
+    "request.py:98:28:constant":
+        # `self.arrival_step = 0` -> `1` in `Request.__init__`: a placeholder.
+        # `Scheduler.add_request`, the only way into a policy (groups go through it
+        # too), sets it to the current step before anything reads it.
+        "add_request sets arrival_step before any read",
 }
 
 

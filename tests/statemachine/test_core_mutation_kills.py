@@ -67,3 +67,18 @@ def test_cached_blocks_that_already_hold_every_token_take_no_fresh_block():
     assert manager.allocate("b", shared, num_tokens=2)
     assert manager.tables["b"] == shared
     assert manager.num_free_blocks == 2
+
+
+def test_fair_keeps_no_entries_of_a_tenant_with_nothing_waiting():
+    """Entries of requests removed or handed out are dropped lazily; once a
+    tenant has nothing waiting, its queue is emptied when the policy next looks,
+    so requests long gone (aborted ones included) are not held in memory."""
+    policy = make_policy(SchedulerConfig(policy="fair"))
+    a = make_request("a", 3, arrival_s=0.0, tenant="t")
+    b = make_request("b", 3, arrival_s=1.0, tenant="t")
+    policy.push(a)
+    policy.push(b)
+    policy.remove(b)
+    assert policy.pop() is a
+    assert policy.pop() is None
+    assert policy.queues["t"] == []

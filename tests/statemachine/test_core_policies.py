@@ -182,10 +182,11 @@ def test_fair_alternates_between_equally_loaded_tenants():
 def test_fair_counters_charge_prompt_and_output_tokens_by_weight():
     """A tenant is charged fair_input_weight per prompt token and
     fair_output_weight per generated token."""
-    s = make_scheduler("fair", fair_input_weight=1.0, fair_output_weight=3.0)
-    s.add_request(make_request("x", 5, max_tokens=2, tenant="t"))
-    run_until_idle(s)
-    assert s.policy.counters["t"] == 5 * 1.0 + 2 * 3.0
+    for input_weight in (1.0, 0.5):  # a fractional weight: a product, not a quotient
+        s = make_scheduler("fair", fair_input_weight=input_weight, fair_output_weight=3.0)
+        s.add_request(make_request("x", 5, max_tokens=2, tenant="t"))
+        run_until_idle(s)
+        assert s.policy.counters["t"] == 5 * input_weight + 2 * 3.0
 
 
 def test_fair_counter_is_lifted_on_reactivation():

@@ -123,3 +123,19 @@ def test_lookahead_changes_nothing_without_cached_prefixes(policy, seed):
     with_lookahead, _ = plans(8)
     without, preemptions = plans(1)
     assert with_lookahead == without and preemptions == 0
+
+
+def test_fair_ties_are_one_tenant_and_one_arrival_time():
+    """Under fair, the prefix lookahead reorders only requests of one tenant that
+    arrived together: z (tenant a, cached prompt) goes before x, which arrived
+    with it; it does not overtake a's earlier request, and b's cached request
+    waits for b's turn however long its cached prefix."""
+    s = make_scheduler(block_size=4, max_num_seqs=1, policy="fair")
+    s.add_request(make_request("warm", SHARED + [1], max_tokens=1, arrival_s=0.0, tenant="b"))
+    run_until_idle(s, start_s=0.0)
+    s.add_request(make_request("early", 9, max_tokens=1, arrival_s=1.0, tenant="a"))
+    s.add_request(make_request("x", 9, max_tokens=1, arrival_s=2.0, tenant="a"))
+    s.add_request(make_request("other", SHARED + [3], max_tokens=1, arrival_s=2.0, tenant="b"))
+    s.add_request(make_request("z", SHARED + [2], max_tokens=1, arrival_s=2.0, tenant="a"))
+    _, events = run_until_idle(s, start_s=3.0)
+    assert first_admissions(events) == ["early", "z", "x", "other"]
