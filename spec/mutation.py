@@ -142,6 +142,15 @@ EQUIVALENT: dict[str, str] = {
         # stops after one, but `update` ends with `_update_early` itself while any
         # answer is held, so the recursion applies every answer that becomes ready.
         "update's own call to _update_early looks again",
+    "scheduler.py:925:8:augassign":
+        # `_preempt`'s `self._queue_version += 1` -> `-= 1`: the version still changes,
+        # but an arrival after it can bring it back to a value a failed-admission memo
+        # was taken at. The preemption released blocks, so the memo stands only while
+        # the free blocks stay below the fewest any waiting request needed at that
+        # pass; the victim may need fewer, and then waits until the retry window
+        # (ADMISSION_RETRY_STEPS) runs out. Timing only, as the window mutant above:
+        # nothing may be admitted that could not be, and no property names the step.
+        "a memo that stands a few steps longer after a preemption (timing only)",
     # The fair policy (`--function` on its queue bookkeeping; the rest were killed).
     "policy.py:281:8:drop":
         # `_activate`'s `self._examined.discard(request.request_id)` dropped: the id of

@@ -9,7 +9,7 @@ from cadence.statemachine.blocks import NO_PARENT, block_keys_for
 from cadence.statemachine.config import SchedulerConfig
 from cadence.statemachine.policy import make_policy
 
-from core_helpers import make_request
+from core_helpers import make_request, make_scheduler, step
 
 
 def test_a_wide_token_key_is_parent_header_then_the_tokens_spelled_out():
@@ -82,3 +82,20 @@ def test_fair_keeps_no_entries_of_a_tenant_with_nothing_waiting():
     assert policy.pop() is a
     assert policy.pop() is None
     assert policy.queues["t"] == []
+
+
+def test_cached_blocks_a_staying_request_holds_do_not_block_a_displacement():
+    """h shares s's two prompt blocks and needs one fresh block; the cache is full.
+    Displacing l (lower priority, two blocks) makes room: the blocks h finds
+    cached are held by s, which stays, so they cost h nothing either way."""
+    shared = list(range(500, 508))  # two full blocks of four tokens
+    s = make_scheduler("priority", num_blocks=5, max_num_batched_tokens=64)
+    s.add_request(make_request("s", shared + [1], max_tokens=8, priority=0, arrival_s=0.0))
+    s.add_request(make_request("l", 6, max_tokens=8, priority=5, arrival_s=0.0))
+    step(s, now_s=0.0)
+    assert s.blocks.num_free_blocks == 0
+    s.add_request(make_request("h", shared + [2], max_tokens=8, priority=0, arrival_s=1.0))
+    plan, _ = step(s, now_s=1.0)
+    assert [d.request_id for d in plan.new_requests] == ["h"]
+    assert plan.new_requests[0].num_computed_tokens == 8
+    assert s.get_request("l").num_preemptions == 1
