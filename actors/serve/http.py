@@ -400,14 +400,15 @@ class HttpServer:
                     else:
                         await self._run_choices(request, choices, None)
                         _raise_first_error(choices, self.server.draining)
-                        await exchange.send_json(200, completion_body(request, choices, self))
+                        body = completion_body(request, choices, self)
+                        await self._give_back(choices)
+                        await exchange.send_json(200, body)
                 except (ApiError, _ClientGone) as exc:
                     ending = exc
                 finally:
                     nursery.cancel_scope.cancel()
                     with trio.CancelScope(shield=True):
-                        for choice in choices:
-                            await self._release(choice)
+                        await self._release(choices)
         if ending is not None:
             raise ending
 
@@ -471,14 +472,27 @@ class HttpServer:
         choice.num_prompt_tokens = choice.stream.num_prompt_tokens
         self.server.metrics.on_accepted(choice.num_prompt_tokens)
 
-    async def _release(self, choice: Choice) -> None:
-        await choice.stream.aclose()  # aborts the request unless it finished
-        if not choice.released:
-            choice.released = True
-            del self.live[choice.state.request_id]
-            self.server.stream_finished(choice.state)
-            if not self.live:
-                self._none_live.set()
+    async def _give_back(self, choices: list[Choice]) -> None:
+        """Give back the choices' places in the in-flight counts before the answer's
+        end goes out: a client may send its next request (on another connection)
+        the moment it sees that end, and must find its tenant's place free. They
+        stay in `live` until the answer is written (see `_release`)."""
+        with trio.CancelScope(shield=True):
+            for choice in choices:
+                await choice.stream.aclose()  # aborts the request unless it finished
+                if not choice.released:
+                    choice.released = True
+                    self.server.stream_finished(choice.state)
+
+    async def _release(self, choices: list[Choice]) -> None:
+        """The exchange is over (answered, failed or its client gone): give back
+        what is still held and let a drain know nothing of it is left."""
+        await self._give_back(choices)
+        live = self.live
+        for choice in choices:
+            live.pop(choice.state.request_id, None)
+        if not live:
+            self._none_live.set()
 
     async def wait_released(self) -> None:
         """Wait until every admitted request has been released (its answer sent or
@@ -492,7 +506,7 @@ class HttpServer:
         """The drain's grace is over: abort every running request (its answer ends
         with finish_reason "abort"); samples not yet started are refused."""
         for request_id, choice in self.live.items():
-            if choice.started:
+            if choice.started and not choice.released:  # released: its answer is being written
                 self.engine.scheduler.abort_nowait(request_id, "shutdown")
 
     async def _relay(self, request: ApiRequest, choice: Choice, emit: Callable | None) -> None:
@@ -566,6 +580,7 @@ class HttpServer:
         if request.include_usage:
             tail.append(frame(encoder.usage_event(usage_of(request, choices))))
         tail.append(frame(_SSE_DONE))
+        await self._give_back(choices)
         await exchange.send_bytes(b"".join(tail))
         await exchange.send(h11.EndOfMessage())
 

@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from cadence.actors.client import open_client
-from cadence.actors.serve.http import HttpConfig
+from cadence.actors.serve.http import HttpConfig, HttpServer
 from cadence.actors.serve.openai_api import MAX_CHOICES, POISON_ERROR_TYPE, POISON_STATUS
 from cadence.actors.serve.server import open_server
 from cadence.actors.simulated import Fault, FaultPlan, Poison, SimulatedExecutor
@@ -366,3 +366,31 @@ def test_the_fast_chunk_entry_is_the_entry_json_would_write(chat, text, finish_r
     choice = Choice(3, 0, None, None)
     fast = choice.delta_json(request, out, str)
     assert json.loads(fast) == choice.delta(request, out, str)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_tenant_at_its_limit_may_send_the_next_request_once_an_answer_ends(
+        stream, monkeypatch):
+    """With one live request allowed per tenant, a client that sends its next
+    request the moment the last answer ends (over a new connection, as a pooled
+    SDK may) is never refused: the place is given back before the answer's end,
+    however long giving it back takes (stretched here, so the order shows)."""
+    release = HttpServer._release
+
+    async def slow_release(self, choice):
+        await trio.sleep(0.05)
+        await release(self, choice)
+
+    monkeypatch.setattr(HttpServer, "_release", slow_release)
+    config = server_config(max_inflight_per_tenant=1)
+    async with open_server(engine_config(), config, http=HttpConfig(port=0)) as server:
+        statuses = []
+        for _ in range(10):
+            client = await _connect(server)
+            status, body = await client.request(
+                "POST", "/v1/completions",
+                {"prompt": [1, 2], "max_tokens": 2, "tenant": "t", "stream": stream})
+            statuses.append((status, body if status != 200 else b""))
+            await client.stream.aclose()
+        assert statuses == [(200, b"")] * 10
+        await settled(server)
