@@ -9,9 +9,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from pathlib import Path
 
+import pytest
 from hypothesis import settings
+
+ROOT = Path(__file__).resolve().parent.parent
 
 settings.register_profile("ci", derandomize=True, deadline=None, database=None)
 settings.register_profile("explore", max_examples=2000, deadline=None)
@@ -28,3 +33,26 @@ def hypothesis_profile(environ=os.environ) -> str:
 
 
 settings.load_profile(hypothesis_profile())
+
+
+def checkout_problem(root: Path = ROOT) -> str | None:
+    """Why the suite cannot test the checkout at `root`, or None. The tests, and
+    the child processes some of them start, import the installed `cadence`: it
+    must be this checkout's editable install, or every test module fails to
+    import (or, worse, tests another copy of the code)."""
+    try:
+        spec = importlib.util.find_spec("cadence.statemachine")
+    except ImportError:
+        spec = None
+    origin = Path(spec.origin).resolve() if spec is not None and spec.origin else None
+    if origin is not None and origin.is_relative_to(root):
+        return None
+    where = f"from {origin.parent}" if origin is not None else "not importable (installed from a copy that is gone, or not at all)"
+    return (f"cadence is {where}, not from this checkout ({root}); install it here first: "
+            f'pip install -e ".[gpu,test]"')
+
+
+def pytest_configure(config) -> None:
+    problem = checkout_problem()
+    if problem is not None:
+        pytest.exit(problem, returncode=pytest.ExitCode.USAGE_ERROR)

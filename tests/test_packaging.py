@@ -4,6 +4,7 @@ installed packages import."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -111,3 +112,15 @@ def test_package_imports_from_the_installed_tree(package):
     module = importlib.import_module(package)
     folder = Path(*package.split(".")[1:])
     assert Path(module.__file__).resolve().parent == REPO_ROOT / folder
+
+
+def test_the_suite_refuses_an_install_from_another_checkout(tmp_path):
+    """The suite's guard: this checkout's install passes; seen from anywhere
+    else, the message names where cadence comes from and how to fix it."""
+    spec = importlib.util.spec_from_file_location("suite_conftest", REPO_ROOT / "tests" / "conftest.py")
+    guard = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(guard)
+    assert guard.checkout_problem(REPO_ROOT) is None
+    problem = guard.checkout_problem(tmp_path)
+    assert str(REPO_ROOT / "statemachine") in problem and str(tmp_path) in problem
+    assert 'pip install -e ".[gpu,test]"' in problem
