@@ -5,12 +5,20 @@
 - ``explore``: 2000 examples per property with fresh random seeds; chosen with
   ``CADENCE_EXPLORE=1`` (it wins over ``CI``), for hunting bugs locally.
 - ``dev``: Hypothesis defaults without a deadline, for everyday local runs.
+
+The suite tests this checkout: where the installed ``cadence`` is another copy (or
+a stale editable install whose folder is gone), ``cadence.*`` is mapped onto this
+checkout for the run and the processes it starts.
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
+import shutil
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -52,7 +60,28 @@ def checkout_problem(root: Path = ROOT) -> str | None:
             f'pip install -e ".[gpu,test]"')
 
 
-def pytest_configure(config) -> None:
-    problem = checkout_problem()
-    if problem is not None:
-        pytest.exit(problem, returncode=pytest.ExitCode.USAGE_ERROR)
+def use_this_checkout(root: Path = ROOT) -> Path:
+    """Make `cadence` this checkout for the test run and the processes it starts,
+    whatever is installed: a package directory whose `cadence` maps onto the
+    checkout's top-level folders (as the install does), first on `sys.path` and
+    `PYTHONPATH`. Returns that directory."""
+    shim = Path(tempfile.mkdtemp(prefix="cadence-checkout-"))
+    atexit.register(shutil.rmtree, shim, True)
+    (shim / "cadence").mkdir()
+    (shim / "cadence" / "__init__.py").write_text(
+        f"# This checkout's packages as cadence.*, for its tests.\n__path__ = [{str(root)!r}]\n")
+    sys.path.insert(0, str(shim))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(shim), os.environ.get("PYTHONPATH", "")) if p)
+    for name in [m for m in sys.modules if m == "cadence" or m.startswith("cadence.")]:
+        del sys.modules[name]
+    importlib.invalidate_caches()
+    return shim
+
+
+# Before any test module imports cadence: test this checkout, not another copy.
+if checkout_problem() is not None:
+    _STALE_INSTALL = checkout_problem()
+    use_this_checkout()
+    if checkout_problem() is not None:
+        raise pytest.UsageError(_STALE_INSTALL)

@@ -114,7 +114,7 @@ def test_package_imports_from_the_installed_tree(package):
     assert Path(module.__file__).resolve().parent == REPO_ROOT / folder
 
 
-def test_the_suite_refuses_an_install_from_another_checkout(tmp_path):
+def test_the_suite_notices_an_install_from_another_checkout(tmp_path):
     """The suite's guard: this checkout's install passes; seen from anywhere
     else, the message names where cadence comes from and how to fix it."""
     spec = importlib.util.spec_from_file_location("suite_conftest", REPO_ROOT / "tests" / "conftest.py")
@@ -124,3 +124,22 @@ def test_the_suite_refuses_an_install_from_another_checkout(tmp_path):
     problem = guard.checkout_problem(tmp_path)
     assert str(REPO_ROOT / "statemachine") in problem and str(tmp_path) in problem
     assert 'pip install -e ".[gpu,test]"' in problem
+
+
+def test_the_suite_can_map_cadence_onto_this_checkout():
+    """Where the installed cadence is another copy (or gone), the suite maps
+    cadence.* onto this checkout, for itself and the processes it starts."""
+    code = f"""
+import importlib.util, subprocess, sys
+spec = importlib.util.spec_from_file_location("suite_conftest", {str(REPO_ROOT / "tests" / "conftest.py")!r})
+guard = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(guard)
+shim = guard.use_this_checkout()
+import cadence, cadence.statemachine
+assert cadence.__file__.startswith(str(shim)), cadence.__file__
+assert guard.checkout_problem() is None
+child = "import cadence, cadence.actors; print(cadence.__file__, cadence.actors.__file__)"
+out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True).stdout
+assert out.startswith(str(shim)) and {str(REPO_ROOT / "actors")!r} in out, out
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
