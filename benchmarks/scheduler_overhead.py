@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from vllm_model import replay as vllm_replay, wait_figures  # noqa: E402
 from workloads import PRESETS, engine_config, generate, load, output_token, prompt_tokens  # noqa: E402
 
+from cadence.statemachine.blocks import block_keys_for  # noqa: E402
 from cadence.statemachine.config import CacheConfig, SchedulerConfig  # noqa: E402
 from cadence.statemachine.plan import StepResult  # noqa: E402
 from cadence.statemachine.request import Request, SamplingLimits  # noqa: E402
@@ -83,16 +84,17 @@ def tokens_floor(records: list[dict], block_size: int, prefix_caching: bool) -> 
     prefix caching, each full prompt block whose prefix an earlier request
     already had is computed once (the last prompt token always is, for its
     logits). No preemption, no recompute."""
-    seen: set[tuple[int, ...]] = set()
+    seen: set[bytes] = set()
     total = 0
     for r in records:
         prompt = prompt_tokens(r)
-        full = (len(prompt) - 1) // block_size
         hit = 0
         if prefix_caching:
-            while hit < full and tuple(prompt[:(hit + 1) * block_size]) in seen:
+            # The core's own chained block keys, up to the block of the last token.
+            keys = block_keys_for(prompt, block_size, None)[:(len(prompt) - 1) // block_size]
+            while hit < len(keys) and keys[hit] in seen:
                 hit += 1
-            seen.update(tuple(prompt[:(i + 1) * block_size]) for i in range(hit, full))
+            seen.update(keys[hit:])
         total += len(prompt) - hit * block_size + r["output_len"] - 1
     return total
 
