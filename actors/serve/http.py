@@ -407,8 +407,7 @@ class HttpServer:
                     ending = exc
                 finally:
                     nursery.cancel_scope.cancel()
-                    with trio.CancelScope(shield=True):
-                        await self._release(choices)
+                    await self._release(choices)  # shielded where it waits
         if ending is not None:
             raise ending
 
