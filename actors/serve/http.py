@@ -407,7 +407,8 @@ class HttpServer:
                     ending = exc
                 finally:
                     nursery.cancel_scope.cancel()
-                    await self._release(choices)  # shielded where it waits
+                    with trio.CancelScope(shield=True):  # the nursery's scope is cancelled
+                        await self._release(choices)
         if ending is not None:
             raise ending
 
