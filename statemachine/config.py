@@ -161,6 +161,15 @@ class SchedulerConfig:
         limit); until `length_estimate_min_samples` have finished, and whenever
         every finished request ran to its limit, it is the declared limit. A
         request that outlives its prediction is preempted if blocks run out.
+      predicted_watermark, predicted_growth_share: `admission_watermark` and
+        `admission_growth_share` while predicted ends are in force. With declared
+        limits a margin makes admission nearly preemption-free; with predicted
+        ends it cannot (a request that outlives its prediction grows past any
+        fixed margin, and preemption is the safety net by design), so a full
+        margin there mostly leaves blocks idle, and idle blocks cost steps where
+        memory bounds the batch. Used once `length_estimate_min_samples`
+        requests have finished and some stopped early; traffic that runs to its
+        declared limits is scheduled exactly as with the margins above.
 
     Overlap
       async_scheduling: a running request whose sampled token is still in flight
@@ -210,6 +219,8 @@ class SchedulerConfig:
     length_estimate_window: int = attrs.field(default=512, validator=_at_least(1))
     length_estimate_min_samples: int = attrs.field(default=16, validator=_at_least(1))
     length_estimate_quantile: float = attrs.field(default=0.2, validator=_share)
+    predicted_watermark: float = attrs.field(default=0.002, validator=_fraction)
+    predicted_growth_share: float = attrs.field(default=0.8, validator=_share)
     async_scheduling: bool = False
     schedule_interval_us: int = attrs.field(default=0, validator=_at_least(0))
     debug_checks: bool = False

@@ -42,10 +42,16 @@ class OutputLengthEstimator:
         self._num_at_limit = 0
 
     @property
+    def learnt(self) -> bool:
+        """Whether predictions may fall short of declared limits: enough requests
+        have finished and some of them stopped on their own."""
+        return bool(self._early) and len(self._recent) >= self.min_samples
+
+    @property
     def declared_only(self) -> bool:
         """Whether every prediction is the declared limit (no early stop seen, or
         too few finishes yet): callers may skip `predict` and use the limit."""
-        return not self._early or len(self._recent) < self.min_samples
+        return not self.learnt
 
     def observe(self, num_output: int, at_limit: bool) -> None:
         """Record a finished request: `num_output` tokens, and whether it ran to its limit."""

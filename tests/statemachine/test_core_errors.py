@@ -151,6 +151,8 @@ BAD_SCHEDULER_FIELDS = [
     ("fair_input_weight", -1.0), ("fair_output_weight", -1.0), ("starvation_skip_limit", -1),
     ("max_lookahead", -1), ("admission_watermark", 1.0), ("admission_watermark", -0.1),
     ("admission_growth_share", 1.5), ("admission_growth_share", -0.1),
+    ("predicted_watermark", 1.0), ("predicted_watermark", -0.1),
+    ("predicted_growth_share", 1.5), ("predicted_growth_share", -0.1),
     ("schedule_interval_us", -1), ("max_batch_size", 0), ("policy", "lottery"), ("policy", 3),
 ]
 

@@ -149,14 +149,59 @@ def test_prediction_admits_more_when_requests_stop_early():
     """After requests with a generous max_tokens have stopped early on EOS, the
     projection uses their lengths: more requests run at once than when it trusts
     max_tokens, and every request still finishes."""
-    def run(predict: bool) -> int:
-        s = make_scheduler(num_blocks=48, block_size=4, max_num_seqs=16, max_model_len=64,
-                           admission_headroom_steps=64, predict_output_lengths=predict,
-                           length_estimate_min_samples=4)
-        arrivals = {0: [make_request(f"w{i}", 4, max_tokens=56) for i in range(4)],
-                    20: [make_request(f"r{i}", 4, max_tokens=56) for i in range(12)]}
-        eos_after = {f"w{i}": 3 for i in range(4)} | {f"r{i}": 3 for i in range(12)}
-        plans = drive(s, arrivals, eos_after, 60)
-        assert not s.has_work()
-        return max(len(p[0]) for p in plans[20:])
-    assert run(True) > run(False)
+    assert (peak_batch_after_early_stops(predict_output_lengths=True)
+            > peak_batch_after_early_stops(predict_output_lengths=False))
+
+
+def peak_batch_after_early_stops(prompt_len: int = 4, count: int = 12, **config) -> int:
+    """Four requests with a generous max_tokens stop on EOS after 3 tokens; then
+    `count` more of `prompt_len` tokens arrive, which stop the same way. The most
+    requests any step from their arrival on runs (all must finish)."""
+    s = make_scheduler(num_blocks=48, block_size=4, max_num_seqs=16, max_model_len=64,
+                       admission_headroom_steps=64, length_estimate_min_samples=4, **config)
+    arrivals = {0: [make_request(f"w{i}", 4, max_tokens=56) for i in range(4)],
+                20: [make_request(f"r{i}", prompt_len, max_tokens=60 - prompt_len)
+                     for i in range(count)]}
+    eos_after = {f"w{i}": 3 for i in range(4)} | {f"r{i}": 3 for i in range(count)}
+    plans = drive(s, arrivals, eos_after, 60)
+    assert not s.has_work()
+    return max(len(p[0]) for p in plans[20:])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_predicted_margins_change_no_decision_with_exact_max_tokens(seed):
+    """max_tokens exact: no request stops early, so nothing is learnt and the
+    margins for predicted ends are never used, whatever they are."""
+    common = dict(num_blocks=40, block_size=4, max_num_seqs=8, max_model_len=48,
+                  admission_headroom_steps=16, admission_growth_share=0.95,
+                  admission_watermark=0.1, length_estimate_min_samples=1)
+    a = make_scheduler(predicted_watermark=0.0, predicted_growth_share=0.0, **common)
+    b = make_scheduler(predicted_watermark=0.3, predicted_growth_share=1.0, **common)
+    assert drive(a, *workload(seed), 150) == drive(b, *workload(seed), 150)
+    assert not a.lengths.learnt and a.lengths._num_at_limit > 0
+
+
+def test_the_reserve_takes_the_predicted_margins_once_early_stops_are_learnt():
+    """The reserve is the declared-limit margin until enough requests have stopped
+    early, then the predicted-end margin: the watermark and the growth share."""
+    s = make_scheduler(num_blocks=100, admission_watermark=0.2, admission_growth_share=1.0,
+                       predicted_watermark=0.05, predicted_growth_share=0.5,
+                       length_estimate_min_samples=2)
+    s.add_request(make_request("running", 4, max_tokens=40))
+    s.schedule(0.0)
+    assert s._admission_reserve(0.0) == 20 and s._admission_reserve(30.0) == 30
+    s.lengths.observe(3, at_limit=False)
+    assert s._admission_reserve(30.0) == 30  # one finish: not learnt yet
+    s.lengths.observe(5, at_limit=False)
+    assert s.lengths.learnt
+    assert s._admission_reserve(0.0) == 5 and s._admission_reserve(30.0) == 15
+
+
+def test_the_smaller_predicted_watermark_admits_more_once_lengths_are_learnt():
+    """Generous limits ending on EOS: once early stops are learnt, a smaller
+    predicted-end watermark runs more requests at once than the declared-limit
+    one would, and every request still finishes."""
+    def run(predicted_watermark: float) -> int:
+        return peak_batch_after_early_stops(12, 16, admission_watermark=0.25,
+                                            predicted_watermark=predicted_watermark)
+    assert run(0.0) > run(0.25)
