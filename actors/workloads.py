@@ -200,11 +200,12 @@ def _record(i, step, prompt_len, output_len, priority=0, group=-1, prefix_len=0)
             "priority": priority, "prefix_group": group, "prefix_len": prefix_len}
 
 
-def generate(preset: str) -> list[dict]:
-    """The trace a preset names, sorted by (arrival_step, id)."""
+def generate(preset: str, seed: int | None = None) -> list[dict]:
+    """The trace a preset names, sorted by (arrival_step, id); `seed` draws another
+    trace of the same shape (default: the preset's own seed)."""
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
-    rng = random.Random(PRESETS[preset]["seed"])
+    rng = random.Random(PRESETS[preset]["seed"] if seed is None else seed)
     out = []
     if preset == "nano":
         for i in range(256):

@@ -22,6 +22,11 @@ Prints one JSON line per run. Usage:
         # figures for the same mode, and a table at the end
     python benchmarks/scheduler_overhead.py --matrix --vllm --step-s 1 --step-s 0.02
         # the same at two clock scales (a slow engine and a fast one)
+    python benchmarks/scheduler_overhead.py --matrix --vllm --max-tokens generous \
+        --preset poisson --seed 41 --seed 51 --seed 61
+        # traces of the preset's shape drawn from other seeds (a family the
+        # defaults were not tuned on), and per cell a summary line over them:
+        # mean and worst steps ratio to the vLLM model, seeds behind, preemptions
     python benchmarks/scheduler_overhead.py --waiting-scaling  # 1,000 vs 100,000 waiting, every policy
 """
 
@@ -251,7 +256,8 @@ def table(rows: list[dict]) -> str:
             continue
         v = r.get("vllm") or {}
         lines.append("| " + " | ".join(str(x) for x in (
-            r["preset"], r["policy"], r["max_tokens"], "on" if r["prefix_caching"] else "off",
+            r["preset"] if "seed" not in r else f'{r["preset"]}@{r["seed"]}',
+            r["policy"], r["max_tokens"], "on" if r["prefix_caching"] else "off",
             r["step_s"], *(r[f] for f in TABLE_FIELDS),
             *(v.get(f, "") for f in ("steps", "tokens_scheduled", "preemptions", "median_wait",
                                      "p99_wait", "median_wait_priority0")))) + " |")
@@ -278,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-s", action="append", type=float,
                     help=f"seconds the scheduler's clock advances per step (default {STEP_S}); "
                          "repeatable: every run is made at each")
+    ap.add_argument("--seed", action="append", type=int,
+                    help="draw each preset's trace from this seed instead of its own; repeatable "
+                         "(with --vllm, a seed-family summary line per cell follows)")
     ap.add_argument("--out", help="also append the JSON lines to this file")
     ap.add_argument("--repeat", type=int, default=1, help="runs per preset; the median run is printed")
     ap.add_argument("--waiting-scaling", action="store_true")
@@ -304,11 +313,13 @@ def main(argv: list[str] | None = None) -> int:
     modes = args.max_tokens or (list(MAX_TOKENS_MODES) if args.matrix else ["exact"])
     caching = args.caching or (["off"] if args.no_prefix_caching else
                                ["off", "on"] if args.matrix else ["on"])
-    runs = [(args.trace, load(args.trace), engine_config(args.engine_preset))] if args.trace else [
-        (p, generate(p), engine_config(p)) for p in (args.preset or list(PRESETS))]
+    seeds = args.seed or [None]
+    runs = [(args.trace, None, load(args.trace), engine_config(args.engine_preset))] if args.trace else [
+        (p, seed, generate(p, seed), engine_config(p)) for p in (args.preset or list(PRESETS))
+        for seed in seeds]
     clocks = args.step_s or [STEP_S]
     rows = []
-    for name, records, engine in runs:
+    for name, seed, records, engine in runs:
         for policy in policies:
             vllm_policy = "priority" if policy == "priority" else "fcfs"
             for mode in modes:
@@ -322,14 +333,44 @@ def main(argv: list[str] | None = None) -> int:
                         results.sort(key=lambda r: r["sched_total_s"])
                         row = {"bench": "scheduler_overhead", "preset": name, "policy": policy,
                                "max_tokens": mode, "prefix_caching": on, "step_s": step_s,
+                               **({"seed": seed} if seed is not None else {}),
                                **results[len(results) // 2]}
                         if vllm is not None:
                             row["vllm"] = vllm
                         rows.append(row)
                         emit(row)
+    if args.seed and args.vllm:
+        for row in seed_family(rows):
+            emit(row)
     if args.matrix or len(rows) > 1:
         print(table(rows))
     return 0
+
+
+def seed_family(rows: list[dict]) -> list[dict]:
+    """Per preset, policy, mode, caching and clock: the runs over every seed
+    against the vLLM model's, as one summary row each."""
+    cells: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if "seed" in r and "vllm" in r:
+            key = (r["preset"], r["policy"], r["max_tokens"], r["prefix_caching"], r["step_s"])
+            cells.setdefault(key, []).append(r)
+    out = []
+    for (preset, policy, mode, on, step_s), rs in cells.items():
+        ratios = [r["steps"] / r["vllm"]["steps"] for r in rs]
+        out.append({
+            "bench": "scheduler_seed_family", "preset": preset, "policy": policy,
+            "max_tokens": mode, "prefix_caching": on, "step_s": step_s,
+            "seeds": [r["seed"] for r in rs],
+            "steps_ratio_mean": round(statistics.mean(ratios), 4),
+            "steps_ratio_max": round(max(ratios), 4),
+            "seeds_behind": sum(x > 1 for x in ratios),
+            "preemptions": sum(r["preemptions"] for r in rs),
+            "vllm_preemptions": sum(r["vllm"]["preemptions"] for r in rs),
+            "tokens_ratio": round(sum(r["tokens_scheduled"] for r in rs)
+                                  / sum(r["vllm"]["tokens_scheduled"] for r in rs), 4),
+        })
+    return out
 
 
 if __name__ == "__main__":

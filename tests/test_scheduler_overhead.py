@@ -36,3 +36,44 @@ def test_the_floor_counts_a_shared_block_once():
     alone = scheduler_overhead.tokens_floor(trace, 16, False)
     assert alone == 2 * (40 + 3 - 1)
     assert scheduler_overhead.tokens_floor(trace, 16, True) == alone - 32
+
+
+def test_a_seed_draws_another_trace_of_the_same_shape():
+    from workloads import generate
+    own = generate("prefix")
+    assert generate("prefix", None) == own
+    other = generate("prefix", 12)
+    assert other == generate("prefix", 12) and other != own
+    assert len(other) == len(own)
+    assert {r["prefix_len"] for r in other} == {r["prefix_len"] for r in own} == {512}
+
+
+def test_the_seed_family_summary_is_over_every_seed_of_a_cell():
+    def row(seed, steps, vsteps, pre=1, vpre=2, policy="fcfs"):
+        return {"bench": "scheduler_overhead", "preset": "p", "policy": policy, "max_tokens": "generous",
+                "prefix_caching": False, "step_s": 0.02, "seed": seed, "steps": steps,
+                "preemptions": pre, "tokens_scheduled": 90,
+                "vllm": {"steps": vsteps, "preemptions": vpre, "tokens_scheduled": 100}}
+    rows = [row(1, 99, 100), row(2, 102, 100), row(1, 50, 50, policy="fair"),
+            {"bench": "scheduler_overhead", "preset": "p", "policy": "fcfs", "steps": 1}]
+    fcfs, fair = scheduler_overhead.seed_family(rows)
+    assert fcfs["seeds"] == [1, 2] and fcfs["seeds_behind"] == 1
+    assert fcfs["steps_ratio_mean"] == 1.005 and fcfs["steps_ratio_max"] == 1.02
+    assert fcfs["preemptions"] == 2 and fcfs["vllm_preemptions"] == 4 and fcfs["tokens_ratio"] == 0.9
+    assert fair["seeds"] == [1] and fair["steps_ratio_mean"] == 1.0
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_generous_max_tokens_take_no_more_steps_than_the_vllm_model_on_prefix(prefix_caching):
+    """The `prefix` preset with max_tokens = max_model_len - prompt and EOS at the
+    real length, at the default configuration: no more steps than the vLLM
+    model (the margin admission keeps for predicted ends decides this one; with
+    the declared-limit margin it took 501 steps to the model's 498 caching off)."""
+    from workloads import engine_config, generate
+    trace, config = generate("prefix"), engine_config("prefix")
+    ours = scheduler_overhead.replay(trace, config, "fcfs", prefix_caching, "generous")
+    theirs = vllm_model.replay(trace, config, prefix_caching)
+    assert ours["finished_ok"]
+    assert ours["steps"] <= theirs["steps"]
+    assert ours["preemptions"] <= theirs["preemptions"]
+    assert ours["tokens_scheduled"] <= theirs["tokens_scheduled"]
