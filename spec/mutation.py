@@ -86,21 +86,21 @@ EQUIVALENT: dict[str, str] = {
     # Survivors of the runs so far were otherwise killed by tests in
     # tests/statemachine/test_core_mutation_kills.py; mutants of type annotations,
     # which are never evaluated in these modules, are no longer generated.
-    "scheduler.py:329:72:compare":
+    "scheduler.py:331:72:compare":
         # `step_id < failed[2]` -> `<=`: the failed-admission memo stands one step
         # longer (ADMISSION_RETRY_STEPS + 1). The window is a tuning constant: it
         # changes when a failed pass is looked at again, never what may be admitted,
         # and no property of DESIGN §4 names the retry step. Not equivalent in
         # timing; equivalent for every specified property.
         "the admission memo's retry window one step longer (timing only)",
-    "scheduler.py:619:27:compare":
+    "scheduler.py:621:27:compare":
         # `has_room = budget > 0` -> `>= 0` in `_admit`'s re-check after a
         # displacement. A displacement for budget or a seat takes only a victim
         # scheduled in this step, which gives back its tokens (at least one: no
         # plan schedules a request for zero); one for a running slot leaves the
         # budget as it was, already above zero. So the re-check never sees zero.
         "the budget after a displacement is never zero",
-    "scheduler.py:288:16:break":
+    "scheduler.py:290:16:break":
         # The running loop's `break` when the budget or the seats run out -> `continue`:
         # every later iteration meets the same test first (nothing in between changes
         # the budget or `scheduled`) and continues, and the loop variable is not read
@@ -110,39 +110,39 @@ EQUIVALENT: dict[str, str] = {
         # `if num_new < 0: num_new = 0` -> `<= 0`: at zero it sets zero.
         "clamping zero to zero",
     # Async scheduling (`--since` the commit that added it; the rest were killed).
-    "scheduler.py:349:27:arith":
+    "scheduler.py:351:27:arith":
         # `computed >= len(all_token_ids) + len(pending)` -> `- len(pending)` when a
         # plan records that it samples: the two differ only for a request with pending
         # steps, and such a request is scheduled only planned ahead (its known tokens
         # are all computed, so any other chunk is empty), with one step pending and
         # computed == len + 1 after it, where `>= len + 1` and `>= len - 1` agree.
         "a request with pending steps is scheduled only planned ahead",
-    "scheduler.py:411:36:compare":
+    "scheduler.py:413:36:compare":
         # `known = computed if computed < num_tokens else num_tokens` -> `<=`: at
         # equality both branches give the same number (it is a min).
         "min() at equality",
-    "scheduler.py:412:19:compare":
+    "scheduler.py:414:19:compare":
         # `known // block_size > num_hashed[rid]` -> `>=` before
         # `cache_full_blocks(request, known)`, which returns at once when no block
         # past `num_hashed` is full: the guard only saves the call.
         "the callee re-checks the same bound",
-    "scheduler.py:412:19:arith":
+    "scheduler.py:414:19:arith":
         # `known // block_size` -> `known * block_size` in the same guard: the guard
         # holds more often; the callee caches exactly the full blocks of `known`.
         "the callee re-checks the same bound",
-    "scheduler.py:491:20:drop":
+    "scheduler.py:493:20:drop":
         # `del early[step_id]` for a held answer whose plan is no longer in flight:
         # unreachable. A plan leaves `_inflight` only when its answer is applied
         # (held answers are popped first) or with executor loss, which clears both;
         # an answer to a held plan is ignored. `held_answers_wait_for_older_plans`
         # checks it in every explored state.
         "a held answer's plan is always in flight",
-    "scheduler.py:494:31:constant":
+    "scheduler.py:496:31:constant":
         # `progress = True` -> `False` after applying a held answer: the loop then
         # stops after one, but `update` ends with `_update_early` itself while any
         # answer is held, so the recursion applies every answer that becomes ready.
         "update's own call to _update_early looks again",
-    "scheduler.py:925:8:augassign":
+    "scheduler.py:940:8:augassign":
         # `_preempt`'s `self._queue_version += 1` -> `-= 1`: the version still changes,
         # but an arrival after it can bring it back to a value a failed-admission memo
         # was taken at. The preemption released blocks, so the memo stands only while
