@@ -396,7 +396,10 @@ def run_suites(name: str | None, source: str | None, suites: tuple[str, ...],
     Returns (exit status or None on timeout, first failing test, seconds)."""
     with tempfile.TemporaryDirectory(prefix="cadence-mutant-") as tmp:
         tree = _tree_for(Path(tmp), name, source)
-        env = dict(os.environ, CI="true", PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
+        # CADENCE_TEST_TREE: the suite's guard would otherwise map cadence back onto
+        # the checkout, and every mutant would pass unseen.
+        env = dict(os.environ, CI="true", PYTHONPATH=str(tree), CADENCE_TEST_TREE=str(tree),
+                   PYTHONDONTWRITEBYTECODE="1")
         env.pop("CADENCE_EXPLORE", None)
         cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
                "--no-header", "-rf", *suites]

@@ -8,7 +8,9 @@
 
 The suite tests this checkout: where the installed ``cadence`` is another copy (or
 a stale editable install whose folder is gone), ``cadence.*`` is mapped onto this
-checkout for the run and the processes it starts.
+checkout for the run and the processes it starts. A tool that means the suite to
+test another tree on purpose (the mutation runner's copy of the core with one
+mutant in it) names it in ``CADENCE_TEST_TREE``, and that tree is left in place.
 """
 
 from __future__ import annotations
@@ -43,17 +45,21 @@ def hypothesis_profile(environ=os.environ) -> str:
 settings.load_profile(hypothesis_profile())
 
 
-def checkout_problem(root: Path = ROOT) -> str | None:
+def checkout_problem(root: Path = ROOT, environ=os.environ) -> str | None:
     """Why the suite cannot test the checkout at `root`, or None. The tests, and
     the child processes some of them start, import the installed `cadence`: it
-    must be this checkout's editable install, or every test module fails to
-    import (or, worse, tests another copy of the code)."""
+    must be this checkout's editable install (or the tree `CADENCE_TEST_TREE`
+    names), or every test module fails to import (or, worse, tests another copy
+    of the code)."""
     try:
         spec = importlib.util.find_spec("cadence.statemachine")
     except ImportError:
         spec = None
     origin = Path(spec.origin).resolve() if spec is not None and spec.origin else None
-    if origin is not None and origin.is_relative_to(root):
+    chosen = [root]
+    if environ.get("CADENCE_TEST_TREE"):
+        chosen.append(Path(environ["CADENCE_TEST_TREE"]).resolve())
+    if origin is not None and any(origin.is_relative_to(tree) for tree in chosen):
         return None
     where = f"from {origin.parent}" if origin is not None else "not importable (installed from a copy that is gone, or not at all)"
     return (f"cadence is {where}, not from this checkout ({root}); install it here first: "

@@ -124,6 +124,9 @@ def test_the_suite_notices_an_install_from_another_checkout(tmp_path):
     problem = guard.checkout_problem(tmp_path)
     assert str(REPO_ROOT / "statemachine") in problem and str(tmp_path) in problem
     assert 'pip install -e ".[gpu,test]"' in problem
+    # A tree named on purpose (the mutation runner's) is tested where it is.
+    assert guard.checkout_problem(tmp_path, {"CADENCE_TEST_TREE": str(REPO_ROOT / "statemachine")}) is None
+    assert guard.checkout_problem(tmp_path, {"CADENCE_TEST_TREE": str(tmp_path / "other")}) is not None
 
 
 def test_the_suite_can_map_cadence_onto_this_checkout():
