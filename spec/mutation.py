@@ -93,6 +93,19 @@ EQUIVALENT: dict[str, str] = {
         # and no property of DESIGN §4 names the retry step. Not equivalent in
         # timing; equivalent for every specified property.
         "the admission memo's retry window one step longer (timing only)",
+    "scheduler.py:333:24:negate":
+        # The memo's second clause, `free - (watermark if running else 0) < min_need`,
+        # with the condition negated: while requests run it subtracts nothing (the
+        # memo stands less often: a pass is repeated that fails the same way, only
+        # slower); while none run it subtracts the watermark (the memo stands more
+        # often, at most until the queue changes, a release comes or the retry window
+        # ends). Like the window mutant above: when a failed pass is looked at again,
+        # never what may be admitted. Timing only.
+        "the memo's free-block clause with the watermark's condition negated (timing only)",
+    "scheduler.py:333:63:constant":
+        # The same clause subtracting 1 block instead of 0 while nothing runs: the memo
+        # stands a little more often, bounded as above. Timing only.
+        "the memo's free-block clause one block stricter while nothing runs (timing only)",
     "scheduler.py:621:27:compare":
         # `has_room = budget > 0` -> `>= 0` in `_admit`'s re-check after a
         # displacement. A displacement for budget or a seat takes only a victim

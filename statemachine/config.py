@@ -219,7 +219,7 @@ class SchedulerConfig:
     length_estimate_window: int = attrs.field(default=512, validator=_at_least(1))
     length_estimate_min_samples: int = attrs.field(default=16, validator=_at_least(1))
     length_estimate_quantile: float = attrs.field(default=0.2, validator=_share)
-    predicted_watermark: float = attrs.field(default=0.002, validator=_fraction)
+    predicted_watermark: float = attrs.field(default=0.0025, validator=_fraction)
     predicted_growth_share: float = attrs.field(default=0.8, validator=_share)
     async_scheduling: bool = False
     schedule_interval_us: int = attrs.field(default=0, validator=_at_least(0))
