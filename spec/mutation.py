@@ -102,7 +102,7 @@ EQUIVALENT: dict[str, str] = {
         # ends). Like the window mutant above: when a failed pass is looked at again,
         # never what may be admitted. Timing only.
         "the memo's free-block clause with the watermark's condition negated (timing only)",
-    "scheduler.py:333:63:constant":
+    "scheduler.py:333:64:constant":
         # The same clause subtracting 1 block instead of 0 while nothing runs: the memo
         # stands a little more often, bounded as above. Timing only.
         "the memo's free-block clause one block stricter while nothing runs (timing only)",
@@ -155,7 +155,7 @@ EQUIVALENT: dict[str, str] = {
         # stops after one, but `update` ends with `_update_early` itself while any
         # answer is held, so the recursion applies every answer that becomes ready.
         "update's own call to _update_early looks again",
-    "scheduler.py:940:8:augassign":
+    "scheduler.py:936:8:augassign":
         # `_preempt`'s `self._queue_version += 1` -> `-= 1`: the version still changes,
         # but an arrival after it can bring it back to a value a failed-admission memo
         # was taken at. The preemption released blocks, so the memo stands only while

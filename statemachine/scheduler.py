@@ -330,7 +330,7 @@ class Scheduler:
         failed = self._failed_admission
         if (failed is not None and failed[0] == self._queue_version and step_id < failed[2]
                 and (failed[1] == blocks.num_releases or blocks.num_free_blocks
-                     - (self._watermark() if self.running else 0) < self._min_need)):
+                     - (self._margins()[1] if self.running else 0) < self._min_need)):
             # The last pass's failure stands: nothing given back, or too little for anyone.
             self.collector.num_admission_memo_hits += 1
         elif len(policy) and ((budget > 0 and len(scheduled) < seats)
@@ -823,25 +823,21 @@ class Scheduler:
         growth, until = self._projected_growth()
         return growth, until, self._admission_reserve(growth), self.blocks.num_releases
 
-    def _predicting(self) -> bool:
-        """Whether running requests' ends are predicted rather than declared."""
+    def _margins(self) -> tuple[float, int]:
+        """The share of projected growth admission holds back, and the watermark
+        (the fewest blocks it leaves free while requests run): the predicted-end
+        margins once early stops are learnt, the declared-limit ones before."""
         lengths = self.lengths
-        return lengths is not None and lengths.learnt
-
-    def _watermark(self) -> int:
-        """The fewest blocks admission leaves free while requests run."""
-        return self._predicted_watermark_blocks if self._predicting() else self._watermark_blocks
+        if lengths is not None and lengths.learnt:
+            return self.config.predicted_growth_share, self._predicted_watermark_blocks
+        return self.config.admission_growth_share, self._watermark_blocks
 
     def _admission_reserve(self, growth: float) -> int:
         """Blocks admission leaves free so running requests can keep growing: the
-        watermark, or the held-back share of their projected growth (each the
-        smaller margin of `predicted_watermark` while ends are predicted)."""
+        watermark, or the held-back share of their projected growth."""
         if not self.running:
             return 0
-        if self._predicting():
-            share, floor = self.config.predicted_growth_share, self._predicted_watermark_blocks
-        else:
-            share, floor = self.config.admission_growth_share, self._watermark_blocks
+        share, floor = self._margins()
         held_back = int(-(-(share * growth) // 1))
         return held_back if held_back > floor else floor
 
