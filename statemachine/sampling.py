@@ -125,7 +125,7 @@ _INFINITIES = (math.inf, -math.inf)
 
 
 def _stop_strings(value: object) -> tuple[str, ...]:
-    # A bare string is one stop string, not one per character.
+    # A bare string is one stop string, not one per character; None is none (as vLLM's default).
     items = (value,) if isinstance(value, str) else _as_tuple("stop", value)
     for item in items:
         if type(item) is not str or not item:
@@ -142,6 +142,9 @@ def _stop_token_ids(value: object) -> tuple[int, ...]:
 
 
 def _as_tuple(field: str, value: object) -> tuple:
+    """A list field's items; None (vLLM's default for `stop` and `stop_token_ids`) is none."""
+    if value is None:
+        return ()
     if isinstance(value, (bytes, dict, numbers.Number)):
         raise _refuse(field, "a list", value)
     try:

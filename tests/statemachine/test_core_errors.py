@@ -246,6 +246,14 @@ def test_a_bare_stop_string_is_one_stop_string():
     assert SamplingParams(stop=["abc", "d"]).stop == ("abc", "d")
 
 
+def test_none_stop_lists_are_empty_as_in_vllm():
+    """stop=None and stop_token_ids=None (vLLM's defaults, and what clients that
+    spell out every field send) mean no stop strings and no stop ids."""
+    params = SamplingParams(stop=None, stop_token_ids=None)
+    assert params.stop == () and params.stop_token_ids == ()
+    assert params == SamplingParams()
+
+
 def test_numbers_are_normalised_and_the_widest_seeds_accepted():
     """An int where a float is expected becomes a float; any 64-bit seed is taken."""
     params = SamplingParams(temperature=1, top_p=1, seed=2**64 - 1)
