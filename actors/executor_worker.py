@@ -318,7 +318,9 @@ def build_runner(init: InitExecutor) -> ModelRunnerLike:
     (bool, one device only: RMSNorm and SwiGLU as single Triton kernels),
     gpu_memory_utilization (float), max_num_seqs (int), num_threads ("auto" or
     int: torch's CPU threads, set here in the thread that runs the model before
-    its first kernel; see cadence.gpu.threads), and tp (int: shard the model
+    its first kernel; see cadence.gpu.threads), cpu_path ("auto", "packed" or
+    "eager": how a CPU runner computes its products), pin_threads (bool: one core per
+    compute thread, default on), and tp (int: shard the model
     across that many local ranks, see `_build_tensor_parallel_runner`).
     """
     runner = _build_model_runner(init)
@@ -357,7 +359,7 @@ def _build_model_runner(init: InitExecutor) -> ModelRunnerLike:
         "max_num_batched_tokens": init.max_num_batched_tokens,
     }
     for name in ("attention_backend", "gpu_memory_utilization", "max_num_seqs", "fused_elementwise",
-                 "num_threads"):
+                 "num_threads", "cpu_path", "pin_threads"):
         if name in options:
             kwargs[name] = options[name]
     if init.model in gpu_config.PRESETS:

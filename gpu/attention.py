@@ -180,34 +180,73 @@ def sdpa_paged_attention(
     host synchronisation beyond `max_query_len` and `max_seq_len`, so it is a
     usable GPU path where no paged kernel is available.
     """
+    return _decodes_then_prefills(query, k_cache, v_cache, meta, scale, _sdpa_decodes)
+
+
+def cpu_paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Same result as the reference: decodes through the CPU kernel that reads the cache
+    blocks in place (`cadence.gpu.cpu_attention`), prefills as in `sdpa_paged_attention`.
+    Where the kernel cannot be built, exactly `sdpa_paged_attention`."""
+    from . import cpu_attention
+
+    kernel = cpu_attention.load()
+    if kernel is None or query.device.type != "cpu":
+        return sdpa_paged_attention(query, k_cache, v_cache, meta, scale)
+
+    def decodes(query, k_cache, v_cache, meta, layout, scale):
+        num = meta.num_decode_seqs
+        return kernel.paged_decode_attention(query[:num], k_cache, v_cache, meta.block_tables[:num],
+                                             meta.seq_lens[:num], scale)
+
+    return _decodes_then_prefills(query, k_cache, v_cache, meta, scale, decodes,
+                                  needs_layout=meta.num_decode_seqs < meta.seq_lens.shape[0])
+
+
+def _sdpa_decodes(query, k_cache, v_cache, meta: AttentionMetadata, layout: PaddedLayout,
+                  scale: float) -> torch.Tensor:
+    """Attention of the step's decodes, [num_decodes, num_heads, head_dim], over gathered blocks."""
+    num_decodes, num_heads, head_dim = layout.num_decodes, query.shape[1], query.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    q = query[:num_decodes].view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    k = _gather_rows(k_cache, layout, 0, num_decodes)
+    v = _gather_rows(v_cache, layout, 0, num_decodes)
+    attend = torch.nn.functional.scaled_dot_product_attention
+    return attend(q, k, v, attn_mask=layout.decode_mask, scale=scale).view(num_decodes, num_heads, head_dim)
+
+
+def _decodes_then_prefills(query, k_cache, v_cache, meta: AttentionMetadata, scale: float, decodes,
+                           needs_layout: bool = True) -> torch.Tensor:
+    """The step's decodes through `decodes`, then its prefills padded to the longest in one SDPA."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     layout = meta.padded_layout
-    if layout is None:
+    if layout is None and needs_layout:
         layout = meta.padded_layout = padded_layout(meta, num_tokens, k_cache.shape[1], group, query.device)
-    num_seqs, num_decodes = meta.seq_lens.shape[0], layout.num_decodes
-    attend = torch.nn.functional.scaled_dot_product_attention
+    num_seqs, num_decodes = meta.seq_lens.shape[0], meta.num_decode_seqs
     if num_decodes:
-        q = query[:num_decodes].view(num_decodes, num_kv_heads, group, head_dim)
-        k = _gather_rows(k_cache, layout, 0, num_decodes)
-        v = _gather_rows(v_cache, layout, 0, num_decodes)
-        decoded = attend(q, k, v, attn_mask=layout.decode_mask, scale=scale).view(num_decodes, num_heads, head_dim)
+        decoded = decodes(query, k_cache, v_cache, meta, layout, scale)
         if num_decodes == num_seqs:
             return decoded
     out = torch.empty_like(query)
     if num_decodes:
         out[:num_decodes] = decoded
-    if num_decodes < num_seqs:
-        num_prefills, max_query_len = num_seqs - num_decodes, meta.max_query_len
-        padded = query.new_zeros(num_prefills * max_query_len, num_heads, head_dim)
-        padded[layout.token_rows] = query[num_decodes:]
-        q = _grouped_queries(padded.view(num_prefills, max_query_len, num_heads, head_dim), num_kv_heads)
-        k = _gather_rows(k_cache, layout, num_decodes, num_seqs)
-        v = _gather_rows(v_cache, layout, num_decodes, num_seqs)
-        grouped = attend(q, k, v, attn_mask=layout.prefill_mask, scale=scale)
-        rows = grouped.view(num_prefills, num_kv_heads, group, max_query_len, head_dim).permute(0, 3, 1, 2, 4)
-        out[num_decodes:] = rows.reshape(num_prefills * max_query_len, num_heads, head_dim)[layout.token_rows]
+    num_prefills, max_query_len = num_seqs - num_decodes, meta.max_query_len
+    padded = query.new_zeros(num_prefills * max_query_len, num_heads, head_dim)
+    padded[layout.token_rows] = query[num_decodes:]
+    q = _grouped_queries(padded.view(num_prefills, max_query_len, num_heads, head_dim), num_kv_heads)
+    k = _gather_rows(k_cache, layout, num_decodes, num_seqs)
+    v = _gather_rows(v_cache, layout, num_decodes, num_seqs)
+    attend = torch.nn.functional.scaled_dot_product_attention
+    grouped = attend(q, k, v, attn_mask=layout.prefill_mask, scale=scale)
+    rows = grouped.view(num_prefills, num_kv_heads, group, max_query_len, head_dim).permute(0, 3, 1, 2, 4)
+    out[num_decodes:] = rows.reshape(num_prefills * max_query_len, num_heads, head_dim)[layout.token_rows]
     return out
 
 
@@ -220,15 +259,18 @@ class AttentionBackend:
     write_kv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
-ATTENTION_BACKENDS = ("reference", "sdpa", "triton")
+ATTENTION_BACKENDS = ("reference", "sdpa", "cpu", "triton")
 
 
 def get_attention_backend(name: str) -> AttentionBackend:
-    """The backend called `name`: "reference" (per-sequence torch), "sdpa" (batched torch), "triton"."""
+    """The backend called `name`: "reference" (per-sequence torch), "sdpa" (batched torch),
+    "cpu" (the CPU's in-place decode kernel, SDPA for prefills), "triton"."""
     if name == "reference":
         return AttentionBackend(name, reference_paged_attention, write_kv)
     if name == "sdpa":
         return AttentionBackend(name, sdpa_paged_attention, write_kv)
+    if name == "cpu":
+        return AttentionBackend(name, cpu_paged_attention, write_kv)
     if name == "triton":
         # Imported on demand: the kernel module needs triton, which CPU-only installs may lack.
         from . import triton_attention

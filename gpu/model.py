@@ -141,6 +141,8 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.fused = None  # the triton_fused module when fused, else None
+        self.qkv_proj = None  # q, k and v as one packed product once `CausalLM.pack` ran
+        self.qkv_sizes = (q_size, kv_size, kv_size)
 
     def forward(
         self,
@@ -151,9 +153,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Write this step's K/V to the cache and attend; hidden [T, hidden_size]."""
         num_tokens = hidden.shape[0]
-        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(hidden).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         if self.fused is not None:
             norms = {}
@@ -182,9 +188,13 @@ class MLP(nn.Module):
         self.up_proj = Linear(config.hidden_size, config.intermediate_size, **linear)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, **linear)
         self.fused = None  # the triton_fused module when fused, else None
+        self.gate_up_proj = None  # gate and up as one packed product once `CausalLM.pack` ran
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the feed-forward block."""
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate).mul_(up))
         if self.fused is not None:
             return self.down_proj(self.fused.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -240,6 +250,7 @@ class CausalLM(nn.Module):
             if config.tie_word_embeddings
             else Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
         )
+        self.packed_head = None  # the output head as a packed product once `pack` ran
 
     def forward(
         self,
@@ -277,8 +288,29 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab_size] for hidden states [N, hidden_size]."""
+        if self.packed_head is not None:
+            return self.packed_head(hidden).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def pack(self) -> None:
+        """Prepack every projection and the output head for oneDNN, merging q/k/v and
+        gate/up into one product each (`cadence.gpu.cpu_linear`); CPU only, after the
+        weights are loaded. The plain projections are released."""
+        from . import cpu_linear
+
+        for layer in self.model.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            attention.qkv_proj = cpu_linear.merged(attention.q_proj, attention.k_proj, attention.v_proj)
+            attention.q_proj = attention.k_proj = attention.v_proj = None
+            attention.o_proj = cpu_linear.packed(attention.o_proj)
+            mlp.gate_up_proj = cpu_linear.merged(mlp.gate_proj, mlp.up_proj)
+            mlp.gate_proj = mlp.up_proj = None
+            mlp.down_proj = cpu_linear.packed(mlp.down_proj)
+        head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
+        self.packed_head = cpu_linear.PackedLinear(head.weight, None)
+        self.lm_head = None
 
 
 def build_model(

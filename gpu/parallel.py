@@ -382,7 +382,8 @@ class TensorParallelRunner(ModelRunner):
         self.processes: dict[int, subprocess.Popen] = {}
         self._closed = False
         local_config(model_config, group.world_size)
-        kwargs.update(device=group.device, use_cuda_graphs=False, pad_decode_batches=False)
+        # A shard's row-parallel products reduce across ranks inside its own modules: plain ops.
+        kwargs.update(device=group.device, use_cuda_graphs=False, pad_decode_batches=False, cpu_path="eager")
         # Each rank's threads are set where the rank starts (tp_num_threads), not per runner.
         kwargs.setdefault("num_threads", None)
         super().__init__(model_config, **kwargs)

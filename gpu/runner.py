@@ -14,6 +14,7 @@ CUDA graph (see `cuda_graphs`).
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import os
@@ -31,6 +32,7 @@ from cadence.statemachine.errors import ConfigError, ExecutorError
 from cadence.statemachine.plan import StepPlan, StepResult
 from cadence.statemachine.sampling import SamplingParams, StructuredOutput
 
+from . import cpu_attention, cpu_linear
 from .attention import AttentionMetadata, get_attention_backend
 from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs, DecodeInputs, StagingBuffer, graph_batch_sizes
@@ -38,8 +40,10 @@ from .worklist import BalanceConfig
 from .loader import load_weights
 from .model import build_model, init_random_weights
 from .sampler import Sampler
-from .threads import AUTO, resolve_num_threads, set_num_threads
+from .threads import AUTO, pin_compute_threads, resolve_num_threads, set_num_threads
 
+_log = logging.getLogger("cadence.gpu")
+CPU_PATHS = (AUTO, "packed", "eager")
 # Sampling parameters of the profiling pass: a full sort of the vocabulary is
 # the sampler's largest temporary.
 PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
@@ -206,7 +210,10 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def default_attention_backend(device: torch.device) -> str:
-    """"sdpa" on CPU; on CUDA "triton" (the paged kernels, with decode graphs) where triton imports."""
+    """On CPU "cpu" (the in-place decode kernel) where it builds, else "sdpa"; on CUDA
+    "triton" (the paged kernels, with decode graphs) where triton imports, else "sdpa"."""
+    if device.type == "cpu":
+        return "cpu" if cpu_attention.load() is not None else "sdpa"
     if device.type != "cuda":
         return "sdpa"
     try:
@@ -216,10 +223,18 @@ def default_attention_backend(device: torch.device) -> str:
     return "triton"
 
 
+def cpu_has_bfloat16_units() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AMX tiles or AVX-512 BF16), so
+    bfloat16 products run at least as fast as float32 ones while reading half the bytes."""
+    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
 def default_dtype(config: ModelConfig, device: torch.device) -> torch.dtype:
-    """float32 on CPU; on GPU the checkpoint's half-precision dtype, bfloat16 otherwise."""
+    """On CPU bfloat16 where the CPU has bfloat16 units, else float32 (as vLLM's CPU
+    backend chooses); on GPU the checkpoint's half-precision dtype, bfloat16 otherwise."""
     if device.type == "cpu":
-        return torch.float32
+        return torch.bfloat16 if cpu_has_bfloat16_units() else torch.float32
     return torch.float16 if config.dtype == "float16" else torch.bfloat16
 
 
@@ -231,13 +246,21 @@ class ModelRunner:
       `max_num_batched_tokens` tokens over up to `max_num_seqs` sequences".
     weights_path: a Hugging Face model directory; None initialises weights at
       random from `seed`.
-    dtype: a torch dtype or its name ("bfloat16", "bf16", ...); None or "auto"
-      is float32 on CPU and the checkpoint's half precision (else bfloat16) on GPU.
-    attention_backend: "reference", "sdpa" or "triton"; "auto" is sdpa on CPU and
-      triton on CUDA (see `default_attention_backend`).
+    dtype: a torch dtype or its name ("bfloat16", "bf16", ...); None or "auto" is
+      `default_dtype`: bfloat16 on a CPU with bfloat16 units (float32 on others), the
+      checkpoint's half precision (else bfloat16) on GPU.
+    attention_backend: "reference", "sdpa", "cpu" or "triton"; "auto" is cpu on CPU
+      (sdpa where its kernel cannot be built) and triton on CUDA (see
+      `default_attention_backend`).
     num_threads: torch's CPU threads while this runner computes, set from the
       constructing thread before the first kernel (which should be the thread that
       runs `execute`); "auto" follows `cadence.gpu.threads`, None leaves torch's.
+    pin_threads: pin the compute threads one per core when `num_threads` is set
+      (see `cadence.gpu.threads.pin_compute_threads`).
+    cpu_path: how a CPU runner computes its products: "packed" (weights prepacked
+      for oneDNN, q/k/v and gate/up merged; `cadence.gpu.cpu_linear`) or "eager"
+      (torch's plain ops, the path parity tests compare with); "auto" is packed
+      where the torch build can pack the dtype. Ignored on CUDA.
     max_model_len: longest sequence accepted; None is the model's own limit.
     use_cuda_graphs: replay CUDA graphs for pure-decode steps of up to
       `max_num_seqs` sequences; None means on for CUDA with the "triton" backend.
@@ -275,6 +298,8 @@ class ModelRunner:
         fused_elementwise: bool = False,
         balanced_decode_attention: bool | BalanceConfig = False,
         num_threads: int | str | None = AUTO,
+        cpu_path: str = AUTO,
+        pin_threads: bool = True,
     ) -> None:
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}")
@@ -290,8 +315,15 @@ class ModelRunner:
         self.device = resolve_device(device)
         self.num_threads = resolve_num_threads(num_threads, model_config, self.device)
         set_num_threads(self.num_threads)
+        self.pinned_cores = pin_compute_threads(self.num_threads) if pin_threads else None
         if attention_backend == AUTO:
             attention_backend = default_attention_backend(self.device)
+        elif attention_backend == "cpu":
+            if self.device.type != "cpu":
+                raise ConfigError(f"attention_backend 'cpu' runs on the CPU, not {self.device.type!r}")
+            if cpu_attention.load() is None:  # built now, not inside the first step
+                raise ConfigError(f"attention_backend 'cpu': its kernel could not be built "
+                                  f"({cpu_attention.unavailable_reason()})")
         if isinstance(dtype, str) and dtype != "auto":
             if dtype not in DTYPES:
                 raise ConfigError(f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -308,6 +340,9 @@ class ModelRunner:
             raise ConfigError("fused_elementwise needs a CUDA device (or TRITON_INTERPRET=1 to run "
                               "the kernels in Triton's CPU interpreter, for tests)")
         self.model = self._build_model(weights_path, seed)
+        self.cpu_path = self._resolve_cpu_path(cpu_path)
+        if self.cpu_path == "packed":
+            self.model.pack()
         if fused_elementwise:
             # Before any decode graph is captured, so the graphs hold the fused kernels.
             self.model.set_fused_elementwise(True)
@@ -351,6 +386,23 @@ class ModelRunner:
             raise ConfigError(f"balanced_decode_attention needs attention_backend 'triton', "
                               f"got {attention_backend!r}")
         return BalanceConfig() if requested is True else requested
+
+    def _resolve_cpu_path(self, requested: str) -> str | None:
+        """The CPU path this runner takes (None on an accelerator)."""
+        if requested not in CPU_PATHS:
+            raise ConfigError(f"cpu_path must be one of {', '.join(CPU_PATHS)}, got {requested!r}")
+        if self.device.type != "cpu":
+            return None
+        available = cpu_linear.packing_available(self.dtype)
+        if requested == "packed" and not available:
+            raise ConfigError(f"cpu_path 'packed' needs oneDNN and float32 or bfloat16 weights; "
+                              f"this runner has {self.dtype} (torch mkldnn available: "
+                              f"{torch.backends.mkldnn.is_available()})")
+        path = ("packed" if available else "eager") if requested == AUTO else requested
+        _log.info("CPU path: %s, %s, %s thread(s)%s", path, str(self.dtype).removeprefix("torch."),
+                  self.num_threads or torch.get_num_threads(),
+                  f" pinned to cores {list(self.pinned_cores)}" if self.pinned_cores else "")
+        return path
 
     def _resolve_cuda_graphs(self, requested: bool | None, attention_backend: str) -> bool:
         usable = self.device.type == "cuda" and attention_backend == "triton"

@@ -11,11 +11,19 @@ runs the model, instead of inheriting torch's default (every core).
 The "auto" policy: 1 thread for models whose per-token work is too small to
 split profitably, else half the cores this process may run on, so that a few
 competing processes still leave every team member a core.
+
+Each compute thread is then pinned to a core of its own (`pin_compute_threads`),
+the last cores of the process's set, as vLLM's CPU backend binds its OpenMP
+threads: a team member the scheduler moves between cores loses its caches and,
+at a barrier, stalls the others; the engine's own threads (event loop, clients)
+keep the remaining cores.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+from pathlib import Path
 
 import torch
 
@@ -30,6 +38,8 @@ AUTO = "auto"
 SMALL_MODEL_MACS = 50_000_000
 # Share of the usable cores the auto policy takes for larger models.
 CORE_SHARE = 2
+# Elements per thread of the kernel that starts an OpenMP team: past torch's grain size.
+TEAM_START_ELEMENTS = 1 << 16
 
 
 def usable_cores() -> int:
@@ -79,3 +89,38 @@ def set_num_threads(num_threads: int | None) -> None:
     """
     if num_threads is not None and torch.get_num_threads() != num_threads:
         torch.set_num_threads(num_threads)
+
+
+def _thread_ids() -> set[int]:
+    try:
+        return {int(name) for name in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
+
+
+def pin_compute_threads(num_threads: int | None) -> tuple[int, ...] | None:
+    """Pin the calling thread and the OpenMP team it leads to one core each; the cores
+    used, or None where nothing was pinned (no count set, more threads than usable
+    cores, or no way to pin on this platform).
+
+    Call it from the thread that runs the model, after `set_num_threads`: its first
+    parallel kernel here starts the team, whose threads are told apart as the ones
+    that appear meanwhile.
+    """
+    if num_threads is None or not hasattr(os, "sched_setaffinity") or not Path("/proc/self/task").is_dir():
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    if num_threads > len(cores):
+        return None
+    chosen = tuple(cores[-num_threads:])
+    before = _thread_ids()
+    os.sched_setaffinity(0, {chosen[0]})
+    if num_threads > 1:
+        torch.ones(num_threads * TEAM_START_ELEMENTS).add_(1.0)  # runs on the whole team
+        team = sorted(_thread_ids() - before - {threading.get_native_id()})
+        for core, thread_id in zip(chosen[1:], team):
+            try:
+                os.sched_setaffinity(thread_id, {core})
+            except OSError:
+                return None
+    return chosen

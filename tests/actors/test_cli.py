@@ -106,7 +106,7 @@ def test_version(capsys):
 
 
 def test_generate_passes_the_sampling_options_and_prints_logprobs(capsys):
-    greedy = run(capsys, "generate", "def ", "--max-tokens", "6")[1]
+    greedy = run(capsys, "generate", "def ", "--max-tokens", "6", "--dtype", "float32")[1]
     # top-k 1 leaves one candidate, so sampling at temperature 1 gives the greedy text.
     status, out, err = run(capsys, "generate", "def ", "--max-tokens", "6", "--temperature", "1",
                            "--top-k", "1", "--top-p", "0.9", "--dtype", "float32", "--logprobs", "2")

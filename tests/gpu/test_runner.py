@@ -11,6 +11,7 @@ import torch
 
 from cadence.gpu import ModelRunner, preset
 from cadence.gpu.attention import AttentionBackend, reference_paged_attention, write_kv
+from cadence.gpu.runner import cpu_has_bfloat16_units, default_dtype
 from cadence.statemachine.errors import ConfigError, ExecutorError
 from cadence.statemachine.plan import NewRequestData, StepPlan
 from cadence.statemachine.sampling import SamplingParams
@@ -130,7 +131,8 @@ def test_total_token_count_is_checked(runner):
 def test_construction_errors():
     with pytest.raises(ConfigError, match="num_blocks is required on CPU"):
         ModelRunner(preset("tiny"), device="cpu")
-    assert ModelRunner(preset("tiny"), num_blocks=1, device="cpu", dtype="auto").dtype == torch.float32
+    expected = torch.bfloat16 if cpu_has_bfloat16_units() else torch.float32
+    assert ModelRunner(preset("tiny"), num_blocks=1, device="cpu", dtype="auto").dtype == expected
     with pytest.raises(ConfigError, match="dtype must be 'auto' or one of"):
         ModelRunner(preset("tiny"), num_blocks=4, device="cpu", dtype="int8")
     if not torch.cuda.is_available():
@@ -156,7 +158,8 @@ from cadence.statemachine.sampling import SamplingParams
 params = SamplingParams(temperature=0.0, logprobs=1)
 
 def run(backend):
-    r = ModelRunner(preset("tiny"), num_blocks=16, block_size=4, device="cpu", attention_backend=backend)
+    r = ModelRunner(preset("tiny"), num_blocks=16, block_size=4, device="cpu", dtype="float32",
+                    attention_backend=backend)
     new = [NewRequestData("a", list(range(3, 10)), 7, [0, 1], 0), NewRequestData("b", [5, 6, 7], 3, [2], 0)]
     results = [r.execute(StepPlan(0, {"a": 7, "b": 3}, 10, new, {}, [], [], []), {"a": params, "b": params})]
     for step, blocks in [(1, {"b": [4]}), (2, {"a": [3]}), (3, {})]:
@@ -264,6 +267,40 @@ def test_cpu_cache_starts_zeroed_and_each_layer_writes_its_own_memory():
     assert not fresh.kv_caches[0][1].any() and not fresh.kv_caches[1][0].any()
 
 
-def test_cpu_runs_sdpa_attention_by_default():
+def test_cpu_runs_its_decode_kernel_and_packed_products_by_default():
+    fresh = ModelRunner(preset("tiny"), num_blocks=4, block_size=BLOCK_SIZE, device="cpu")
+    assert fresh.backend.name == "cpu" and fresh.cpu_path == "packed"
+    attention = fresh.model.model.layers[0].self_attn
+    assert attention.q_proj is None and attention.qkv_proj is not None
+
+
+def test_cpu_falls_back_to_sdpa_where_the_kernel_cannot_be_built(monkeypatch):
+    from cadence.gpu import cpu_attention
+
+    monkeypatch.setattr(cpu_attention, "load", lambda: None)
+    monkeypatch.setattr(cpu_attention, "unavailable_reason", lambda: "no compiler")
     fresh = ModelRunner(preset("tiny"), num_blocks=4, block_size=BLOCK_SIZE, device="cpu")
     assert fresh.backend.name == "sdpa"
+    with pytest.raises(ConfigError, match="kernel could not be built .no compiler"):
+        ModelRunner(preset("tiny"), num_blocks=4, block_size=BLOCK_SIZE, device="cpu", attention_backend="cpu")
+
+
+def test_cpu_path_is_validated_and_eager_keeps_the_plain_projections():
+    with pytest.raises(ConfigError, match="cpu_path must be one of"):
+        ModelRunner(preset("tiny"), num_blocks=4, device="cpu", cpu_path="fast")
+    with pytest.raises(ConfigError, match="cpu_path 'packed' needs oneDNN and float32 or bfloat16"):
+        ModelRunner(preset("tiny"), num_blocks=4, device="cpu", dtype="float16", cpu_path="packed")
+    eager = ModelRunner(preset("tiny"), num_blocks=4, device="cpu", cpu_path="eager")
+    assert eager.cpu_path == "eager" and eager.model.model.layers[0].self_attn.qkv_proj is None
+    assert ModelRunner(preset("tiny"), num_blocks=4, device="cpu", dtype="float16").cpu_path == "eager"
+
+
+def test_auto_dtype_on_cpu_follows_the_bfloat16_units(monkeypatch):
+    """bfloat16 where the CPU multiplies it in hardware (AMX or AVX-512 BF16), float32 elsewhere."""
+    config = preset("tiny")
+    for amx, avx512_bf16, expected in [(False, False, torch.float32), (True, False, torch.bfloat16),
+                                       (False, True, torch.bfloat16)]:
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
+        assert default_dtype(config, torch.device("cpu")) == expected
+        assert ModelRunner(config, num_blocks=1, device="cpu").dtype == expected

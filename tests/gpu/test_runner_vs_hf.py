@@ -21,11 +21,17 @@ BLOCK_SIZE = 4
 NUM_BLOCKS = 96
 
 
-def make_runner(directory, attention_backend: str = "reference") -> ModelRunner:
+def make_runner(directory, attention_backend: str = "reference", cpu_path: str = "eager") -> ModelRunner:
     return ModelRunner.from_pretrained(
         directory, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, device="cpu",
-        dtype=torch.float32, attention_backend=attention_backend,
+        dtype=torch.float32, attention_backend=attention_backend, cpu_path=cpu_path,
     )
+
+
+# The CPU's two ways through a step: torch's plain ops over the reference attention, and
+# the default fast path (prepacked merged products, the in-place decode kernel).
+CPU_PATHS = {"eager": dict(attention_backend="reference", cpu_path="eager"),
+             "fast": dict(attention_backend="cpu", cpu_path="packed")}
 
 
 def greedy(num_tokens: int, logprobs: int | None = 2) -> SamplingParams:
@@ -43,9 +49,10 @@ def check_against_hf(model, driver, prompts: dict[str, list[int]], num_tokens: i
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_greedy_batch_matches_hf(kind, hf_checkpoint, plan_driver):
+@pytest.mark.parametrize("path", list(CPU_PATHS))
+def test_greedy_batch_matches_hf(kind, path, hf_checkpoint, plan_driver):
     directory, model = hf_checkpoint(kind)
-    driver = plan_driver(make_runner(directory))
+    driver = plan_driver(make_runner(directory, **CPU_PATHS[path]))
     prompts = dict(zip("abcd", random_prompts([1, 6, 13, 21], seed=1)))
     for request_id, prompt in prompts.items():
         driver.add(request_id, prompt, greedy(8))
@@ -55,9 +62,10 @@ def test_greedy_batch_matches_hf(kind, hf_checkpoint, plan_driver):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_chunked_prefill_matches_hf(kind, hf_checkpoint, plan_driver):
+@pytest.mark.parametrize("path", list(CPU_PATHS))
+def test_chunked_prefill_matches_hf(kind, path, hf_checkpoint, plan_driver):
     directory, model = hf_checkpoint(kind)
-    driver = plan_driver(make_runner(directory), token_budget=5)
+    driver = plan_driver(make_runner(directory, **CPU_PATHS[path]), token_budget=5)
     prompts = dict(zip("abc", random_prompts([11, 17, 3], seed=2)))
     for request_id, prompt in prompts.items():
         driver.add(request_id, prompt, greedy(6))
@@ -70,9 +78,10 @@ def test_chunked_prefill_matches_hf(kind, hf_checkpoint, plan_driver):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_prefix_cache_hits_match_hf(kind, hf_checkpoint, plan_driver):
+@pytest.mark.parametrize("path", list(CPU_PATHS))
+def test_prefix_cache_hits_match_hf(kind, path, hf_checkpoint, plan_driver):
     directory, model = hf_checkpoint(kind)
-    driver = plan_driver(make_runner(directory), token_budget=64)
+    driver = plan_driver(make_runner(directory, **CPU_PATHS[path]), token_budget=64)
     shared, tail_b, tail_c = random_prompts([10, 5, 1], seed=3)
     prompts = {"a": shared + [7, 8], "b": shared + tail_b, "c": shared[:8] + tail_c}
     driver.add("a", prompts["a"], greedy(6))
@@ -89,9 +98,10 @@ def test_prefix_cache_hits_match_hf(kind, hf_checkpoint, plan_driver):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_preemption_then_recompute_matches_hf(kind, hf_checkpoint, plan_driver):
+@pytest.mark.parametrize("path", list(CPU_PATHS))
+def test_preemption_then_recompute_matches_hf(kind, path, hf_checkpoint, plan_driver):
     directory, model = hf_checkpoint(kind)
-    driver = plan_driver(make_runner(directory), token_budget=16)
+    driver = plan_driver(make_runner(directory, **CPU_PATHS[path]), token_budget=16)
     prompts = dict(zip("abc", random_prompts([9, 14, 5], seed=4)))
     driver.add("a", prompts["a"], greedy(10))
     driver.add("b", prompts["b"], greedy(10))
@@ -108,11 +118,12 @@ def test_preemption_then_recompute_matches_hf(kind, hf_checkpoint, plan_driver):
     check_against_hf(model, driver, prompts, 10)
 
 
-@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+@pytest.mark.parametrize("cpu_path", ["eager", "packed"])
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "cpu"])
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_prompt_logits_match_hf(kind, backend, hf_checkpoint):
+def test_prompt_logits_match_hf(kind, backend, cpu_path, hf_checkpoint):
     directory, model = hf_checkpoint(kind)
-    runner = make_runner(directory, attention_backend=backend)
+    runner = make_runner(directory, attention_backend=backend, cpu_path=cpu_path)
     (prompt,) = random_prompts([19], seed=5)
     # Blocks deliberately out of order, and the prompt split in two chunks.
     table = [7, 3, 11, 0, 5]
@@ -127,13 +138,14 @@ def test_prompt_logits_match_hf(kind, backend, hf_checkpoint):
     torch.testing.assert_close(logits, expected, atol=LOGITS_ATOL, rtol=0)
 
 
-def test_seeded_sampling_does_not_depend_on_batch(hf_checkpoint, plan_driver):
+@pytest.mark.parametrize("path", list(CPU_PATHS))
+def test_seeded_sampling_does_not_depend_on_batch(path, hf_checkpoint, plan_driver):
     directory, _ = hf_checkpoint("llama")
     prompts = random_prompts([7, 12, 4], seed=6)
     seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=8, ignore_eos=True)
-    alone = plan_driver(make_runner(directory))
+    alone = plan_driver(make_runner(directory, **CPU_PATHS[path]))
     alone.add("x", prompts[0], seeded)
-    crowd = plan_driver(make_runner(directory), token_budget=9)
+    crowd = plan_driver(make_runner(directory, **CPU_PATHS[path]), token_budget=9)
     crowd.add("y", prompts[1], SamplingParams(temperature=0.8, max_tokens=5, ignore_eos=True))
     crowd.add("x", prompts[0], seeded)
     crowd.add("z", prompts[2], SamplingParams(temperature=1.0, seed=99, max_tokens=8, ignore_eos=True))

@@ -85,13 +85,19 @@ def drive(runner) -> tuple[list[tuple[StepPlan, dict]], list[dict]]:
 
 def spec(directory) -> dict:
     """The runner options every rank gets."""
-    return {"model": str(directory), "num_blocks": NUM_BLOCKS, "block_size": BLOCK_SIZE, "device": "cpu"}
+    return {"model": str(directory), "num_blocks": NUM_BLOCKS, "block_size": BLOCK_SIZE, "device": "cpu",
+            "dtype": "float32"}
+
+
+# The unsharded runner the shards are compared with: the same dtype, and torch's plain
+# products, as a shard computes its own (each rank reduces inside its modules).
+SINGLE = dict(device="cpu", dtype="float32", cpu_path="eager")
 
 
 @pytest.fixture(scope="module")
 def reference(checkpoints):
     """name -> (plans, per-step tokens) of the tp=1 runner."""
-    return {name: drive(ModelRunner.from_pretrained(d, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, device="cpu"))
+    return {name: drive(ModelRunner.from_pretrained(d, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, **SINGLE))
             for name, d in checkpoints.items()}
 
 
@@ -208,7 +214,7 @@ def _prompt_scores(runner, prompt: list[int]) -> dict[int, list]:
 def test_sharded_ranks_score_prompts_as_one_rank(checkpoints, local_group, one_thread):
     [prompt] = random_prompts([13], seed=7, vocab_size=250)
     one = _prompt_scores(ModelRunner.from_pretrained(checkpoints["wide"], num_blocks=NUM_BLOCKS,
-                                                     block_size=BLOCK_SIZE, device="cpu"), prompt)
+                                                     block_size=BLOCK_SIZE, **SINGLE), prompt)
     sharded = _prompt_scores(local_group(2, checkpoints["wide"]), prompt)
     assert sorted(one) == sorted(sharded) == list(range(1, len(prompt)))
     for position, entry in one.items():
@@ -219,9 +225,9 @@ def test_sharded_ranks_score_prompts_as_one_rank(checkpoints, local_group, one_t
 
 def test_random_weights_shard_the_same_model(one_thread):
     config = preset("tiny")
-    single = ModelRunner(config, num_blocks=8, block_size=BLOCK_SIZE, device="cpu", seed=5)
+    single = ModelRunner(config, num_blocks=8, block_size=BLOCK_SIZE, seed=5, **SINGLE)
     runner = start_local_runner(2, {"model": "tiny", "num_blocks": 8, "block_size": BLOCK_SIZE, "device": "cpu",
-                                    "seed": 5}, timeout_s=TIMEOUT_S, num_threads=1)
+                                    "dtype": "float32", "seed": 5}, timeout_s=TIMEOUT_S, num_threads=1)
     try:
         plan = StepPlan(0, {"a": 11}, 11, [NewRequestData("a", list(range(3, 14)), 11, [0, 1], 0)], {}, [], [], [])
         sampling = {"a": SamplingParams(temperature=0.0)}

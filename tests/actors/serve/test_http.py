@@ -36,8 +36,9 @@ MESSAGES = [{"role": "system", "content": "You write Python."},
 
 @pytest.fixture(scope="module")
 def served():
+    # float32, so that logprobs compare with transformers' float32 ones.
     engine = EngineConfig.from_kwargs(executor="inprocess", model=demo_model_dir(), max_model_len=512,
-                                      num_blocks=128, block_size=16)
+                                      num_blocks=128, block_size=16, dtype="float32")
     http = HttpConfig(port=0, api_key=API_KEY, max_body_bytes=MAX_BODY_BYTES, served_model_name=MODEL)
     with ServerThread(engine, ServerConfig(port=0, max_inflight_per_tenant=TENANT_LIMIT),
                       http=http) as thread:

@@ -1,0 +1,158 @@
+"""The CPU path's own pieces against their references: the in-place paged decode
+kernel against the reference attention, and the prepacked, merged products against
+torch's plain ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from cadence.gpu import cpu_attention, cpu_linear, preset
+from cadence.gpu.attention import AttentionMetadata, cpu_paged_attention, reference_paged_attention
+from cadence.gpu.model import build_model, init_random_weights
+from cadence.gpu.attention import get_attention_backend
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    module = cpu_attention.load()
+    assert module is not None, f"the CPU attention kernel did not build: {cpu_attention.unavailable_reason()}"
+    return module
+
+
+def decode_batch(num_seqs, max_len, block_size, num_kv_heads, group, head_dim, dtype, seed=0):
+    """Random caches with blocks in shuffled order and sequences of random lengths (one full)."""
+    generator = torch.Generator().manual_seed(seed)
+    width = -(-max_len // block_size)
+    num_blocks = num_seqs * width + 3
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=generator).to(dtype)
+    v_cache = torch.randn(shape, generator=generator).to(dtype)
+    tables = torch.randperm(num_blocks, generator=generator)[: num_seqs * width].view(num_seqs, width)
+    lens = torch.randint(1, max_len + 1, (num_seqs,), generator=generator, dtype=torch.int32)
+    lens[0] = max_len
+    query = torch.randn(num_seqs, num_kv_heads * group, head_dim, generator=generator).to(dtype)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(num_seqs, dtype=torch.int64),
+        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32), seq_lens=lens,
+        block_tables=tables.to(torch.int32), max_query_len=1, max_seq_len=int(lens.max()),
+        num_decode_seqs=num_seqs)
+    return query, k_cache, v_cache, meta
+
+
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_seqs, max_len, block_size, num_kv_heads, group, head_dim", [
+    (1, 1, 16, 2, 2, 16),      # a single position
+    (3, 37, 4, 2, 3, 32),      # few sequences: one task per KV head
+    (40, 70, 16, 4, 3, 64),    # many: one task per sequence, every head in a sweep
+    (9, 33, 1, 1, 8, 128),     # blocks of one slot, one KV head for eight query heads
+    (5, 48, 16, 8, 1, 64),     # no grouping
+])
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_decode_kernel_matches_the_reference(kernel, dtype, num_seqs, max_len, block_size, num_kv_heads, group,
+                                             head_dim, num_threads):
+    query, k_cache, v_cache, meta = decode_batch(num_seqs, max_len, block_size, num_kv_heads, group, head_dim, dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        got = kernel.paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.3)
+    finally:
+        torch.set_num_threads(threads)
+    want = reference_paged_attention(query, k_cache, v_cache, meta, 0.3)
+    assert got.dtype == dtype and got.shape == query.shape
+    torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_decode_kernel_reads_only_the_sequences_blocks(kernel):
+    """Poisoning every block no sequence owns, and every slot past each sequence's
+    length, changes nothing."""
+    query, k_cache, v_cache, meta = decode_batch(6, 29, 4, 2, 2, 16, torch.float32, seed=4)
+    clean = kernel.paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.25)
+    owned = torch.zeros(k_cache.shape[0], k_cache.shape[1], dtype=torch.bool)
+    for seq, length in enumerate(meta.seq_lens.tolist()):
+        for position in range(length):
+            owned[meta.block_tables[seq, position // 4], position % 4] = True
+    k_cache[~owned] = float("nan")
+    v_cache[~owned] = float("inf")
+    poisoned = kernel.paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.25)
+    torch.testing.assert_close(poisoned, clean, atol=0, rtol=0)
+
+
+def test_decode_kernel_refuses_mismatched_inputs(kernel):
+    query, k_cache, v_cache, meta = decode_batch(2, 8, 4, 2, 2, 16, torch.float32)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        kernel.paged_decode_attention(query.bfloat16(), k_cache, v_cache, meta.block_tables, meta.seq_lens, 1.0)
+    with pytest.raises(RuntimeError, match="int32"):
+        kernel.paged_decode_attention(query, k_cache, v_cache, meta.block_tables.long(), meta.seq_lens, 1.0)
+
+
+def test_cpu_backend_mixes_kernel_decodes_with_sdpa_prefills():
+    """A step of two decodes and two prefill chunks: the same as the reference."""
+    generator = torch.Generator().manual_seed(7)
+    block_size, num_kv_heads, group, head_dim = 4, 2, 2, 16
+    k_cache = torch.randn(40, block_size, num_kv_heads, head_dim, generator=generator)
+    v_cache = torch.randn(40, block_size, num_kv_heads, head_dim, generator=generator)
+    q_lens, seq_lens = [1, 1, 5, 3], [9, 4, 12, 3]
+    tables = torch.randperm(40, generator=generator)[:16].view(4, 4).to(torch.int32)
+    starts = torch.tensor([0, 1, 2, 7, 10], dtype=torch.int32)
+    query = torch.randn(sum(q_lens), num_kv_heads * group, head_dim, generator=generator)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64), query_start_loc=starts,
+                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
+                             max_query_len=5, max_seq_len=12, num_decode_seqs=2)
+    got = cpu_paged_attention(query, k_cache, v_cache, meta, 0.25)
+    want = reference_paged_attention(query, k_cache, v_cache, meta, 0.25)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_the_kernel_build_is_keyed_by_source_and_cpu(monkeypatch):
+    name = cpu_attention.build_name()
+    monkeypatch.setattr(cpu_attention, "_cpu_flags", lambda: "flags : fpu sse2")
+    assert cpu_attention.build_name() != name and cpu_attention.build_name().startswith("cadence_cpu_attention_")
+
+
+# ---- prepacked products
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_packed_linear_matches_torch(dtype, rows):
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 48, generator=generator).to(dtype)
+    bias = torch.randn(96, generator=generator).to(dtype)
+    x = torch.randn(rows, 48, generator=generator).to(dtype)
+    got = cpu_linear.PackedLinear(weight, bias)(x)
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(got.float(), F.linear(x, weight, bias).float(), atol=tolerance, rtol=tolerance)
+    three_d = cpu_linear.PackedLinear(weight, None)(x.view(1, rows, 48))
+    assert three_d.shape == (1, rows, 96)
+
+
+@pytest.mark.parametrize("kind", ["tiny", "qwen-bias"])
+def test_packing_a_model_keeps_its_outputs_and_releases_the_plain_weights(kind):
+    config = preset("tiny")
+    if kind == "qwen-bias":
+        import attrs
+        config = attrs.evolve(config, qkv_bias=True, qk_norm=True, tie_word_embeddings=False)
+    backend = get_attention_backend("reference")
+    plain = build_model(config, backend, torch.float32, "cpu")
+    init_random_weights(plain, seed=5)
+    packed = build_model(config, backend, torch.float32, "cpu")
+    packed.load_state_dict(plain.state_dict())
+    packed.pack()
+    hidden = torch.randn(6, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    for layer_plain, layer_packed in zip(plain.model.layers, packed.model.layers):
+        torch.testing.assert_close(layer_packed.mlp(hidden), layer_plain.mlp(hidden), atol=1e-5, rtol=1e-5)
+        attention = layer_packed.self_attn
+        assert attention.q_proj is None and attention.k_proj is None and attention.v_proj is None
+        assert layer_packed.mlp.gate_proj is None and layer_packed.mlp.up_proj is None
+        q, k, v = attention.qkv_proj(hidden).split(attention.qkv_sizes, dim=-1)
+        plain_attention = layer_plain.self_attn
+        for got, linear in [(q, plain_attention.q_proj), (k, plain_attention.k_proj), (v, plain_attention.v_proj)]:
+            torch.testing.assert_close(got, linear(hidden), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed.compute_logits(hidden), plain.compute_logits(hidden), atol=1e-5, rtol=1e-5)
+    names = {name for name, _ in packed.named_parameters()}
+    assert not any(part in name for name in names for part in ("q_proj", "gate_proj", "lm_head"))
