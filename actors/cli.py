@@ -31,7 +31,7 @@ from .serve import server
 from .engine import (  # noqa: F401  (demo_model_dir, resolve_model: also imported from here)
     EXECUTOR_KINDS, SIMULATED_MODEL, EngineConfig, demo_model_dir, open_engine, resolve_model,
 )
-from .engine_args import tokenizer_for
+from .engine_args import cpu_options, tokenizer_for
 from .unwrap import unwrap_sole_error
 from .simulated import ZERO_LATENCY, LatencyModel
 
@@ -109,7 +109,8 @@ async def _generate(args, out) -> None:
         scheduler=SchedulerConfig(max_model_len=args.max_model_len),
         executor=args.executor or ("simulated" if simulated else "inprocess"), model=args.model,
         tokenizer=tokenizer, dtype=args.dtype, device=args.device, seed=args.seed,
-        latency=LatencyModel() if args.latency else ZERO_LATENCY)
+        latency=LatencyModel() if args.latency else ZERO_LATENCY,
+        executor_options={} if simulated else cpu_options(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, logprobs=args.logprobs,
                             stop=tuple(args.stop), seed=args.seed)
@@ -213,7 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="where the model runs (default: inprocess; simulated for --model simulated)")
     gen.add_argument("--dtype", default="auto",
                      help="weights dtype: float32, bfloat16, float16 or auto (default: the "
-                          "checkpoint's on GPU, float32 on CPU)")
+                          "checkpoint's on GPU; on CPU bfloat16 where it has bfloat16 units "
+                          "(AMX, AVX-512 BF16), else float32)")
+    gen.add_argument("--threads", default="auto", metavar="N",
+                     help="torch's CPU threads for the model: an integer, or auto (default)")
+    gen.add_argument("--cpu-path", choices=("auto", "packed", "eager"), default="auto",
+                     help="how the model computes on a CPU (default auto: packed where it can)")
     gen.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     gen.add_argument("--max-model-len", type=int, default=4096, help="longest sequence (default 4096)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed")

@@ -12,7 +12,7 @@ from .engine import DEMO_MODEL, EXECUTOR_KINDS, SIMULATED_MODEL, EngineConfig, r
 from .simulated import LatencyModel
 from .validation import DEFAULT_MAX_STOP_CHARS, DEFAULT_MAX_STOP_STRINGS
 
-__all__ = ["add_engine_arguments", "engine_config_from_args", "tokenizer_for"]
+__all__ = ["add_engine_arguments", "cpu_options", "engine_config_from_args", "tokenizer_for"]
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +52,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tp", type=int, default=None,
                        help="tensor-parallel ranks (default: 1, or WORLD_SIZE under a launcher "
                             "such as torchrun, where rank 0 serves and the others follow it)")
+    group.add_argument("--threads", default="auto", metavar="N",
+                       help="torch's CPU threads for the model, pinned one per core: an integer, or "
+                            "auto (1 for small models, else half the usable cores; see "
+                            "cadence.gpu.threads)")
+    group.add_argument("--cpu-path", choices=("auto", "packed", "eager"), default="auto",
+                       help="how the model computes on a CPU: packed (oneDNN-prepacked merged "
+                            "products), eager (torch's plain ops); auto is packed where the dtype "
+                            "can be packed")
     group.add_argument("--max-waiting", type=int, default=None,
                        help="requests the waiting queue holds before refusing with queue_full "
                             f"(default: {SchedulerConfig().max_waiting})")
@@ -120,7 +128,23 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         async_scheduling=args.async_scheduling,
         max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
         prefix_cache_sharing=args.prefix_cache_sharing,
-        executor_options=_tp_options(args))
+        executor_options={**_tp_options(args), **cpu_options(args)})
+
+
+def cpu_options(args: argparse.Namespace) -> dict:
+    """Executor options for the CPU: --threads and --cpu-path, where they differ from auto."""
+    options: dict = {}
+    threads = getattr(args, "threads", "auto")
+    if threads != "auto":
+        try:
+            options["num_threads"] = int(threads)
+        except ValueError:
+            raise ConfigError(f"--threads must be 'auto' or an integer >= 1, got {threads!r}") from None
+        if options["num_threads"] < 1:
+            raise ConfigError(f"--threads must be 'auto' or an integer >= 1, got {threads!r}")
+    if getattr(args, "cpu_path", "auto") != "auto":
+        options["cpu_path"] = args.cpu_path
+    return options
 
 
 def _tp_options(args: argparse.Namespace) -> dict:

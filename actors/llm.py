@@ -57,6 +57,11 @@ VLLM_OPTIONS: dict[str, str] = {
     "num_gpu_blocks_override": "num_blocks",
 }
 _EXECUTOR_OPTION = "executor_options."
+# Cadence's own model-executor options that LLM(...) takes by name.
+EXECUTOR_OPTION_NAMES: dict[str, str] = {
+    "num_threads": "executor_options.num_threads",
+    "cpu_path": "executor_options.cpu_path",
+}
 
 
 def engine_config_from_options(**kwargs: Any) -> EngineConfig:
@@ -64,7 +69,7 @@ def engine_config_from_options(**kwargs: Any) -> EngineConfig:
     options: dict[str, Any] = {}
     executor_options = dict(kwargs.pop("executor_options", None) or {})
     for key, value in kwargs.items():
-        target = VLLM_OPTIONS.get(key, key)
+        target = VLLM_OPTIONS.get(key) or EXECUTOR_OPTION_NAMES.get(key, key)
         if target.startswith(_EXECUTOR_OPTION):
             executor_options[target[len(_EXECUTOR_OPTION):]] = value
         elif target in options:

@@ -90,8 +90,9 @@ def _byte_decoder() -> dict[str, int]:
     return table
 
 
-def train_tokenizer(path: Path) -> None:
-    """A 32k byte-level BPE trained on the standard library's source, saved at `path`."""
+def train_tokenizer(path: Path, special_tokens: tuple[str, ...] = ("<|endoftext|>",)) -> None:
+    """A 32k byte-level BPE trained on the standard library's source, saved at `path`
+    (`special_tokens` take the first ids)."""
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
     texts, size = [], 0
     for file in files:
@@ -107,7 +108,7 @@ def train_tokenizer(path: Path) -> None:
     backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = tokenizers.decoders.ByteLevel()
     trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=TRAINED_VOCAB, special_tokens=["<|endoftext|>"],
+        vocab_size=TRAINED_VOCAB, special_tokens=list(special_tokens),
         initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     backend.train_from_iterator(texts, trainer)
     backend.save(str(path))

