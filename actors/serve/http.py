@@ -36,6 +36,7 @@ import trio
 
 from cadence.statemachine.errors import CadenceError, ConfigError, PoisonRequestError
 
+from ..chat import MAX_MESSAGES
 from ..wire import ErrorCode
 from .openai_api import (
     POISON_STATUS, ApiError, ApiRequest, Choice, ChunkEncoder, completion_body, parse_request,
@@ -543,6 +544,8 @@ class HttpServer:
     async def _generate(self, exchange: _Exchange, body: bytes, chat: bool,
                         grant: KeyGrant | None) -> None:
         try:
+            if chat:
+                _count_messages_unparsed(body)
             payload = await self.server.run_sized(len(body), decode_body, body)
             request = await parse_request(payload, chat, self)
         except ApiError as exc:
@@ -837,6 +840,18 @@ def decode_body(body: bytes) -> object:
                 _check_encodable(key, path)
             pending.append((item, depth + 1, _path(path, key)))
     return payload
+
+
+def _count_messages_unparsed(body: bytes) -> None:
+    """Refuse a chat body with far too many messages before it is parsed (a C-speed
+    count, so a conversation of 10^5 turns costs a millisecond): each message has a
+    "role" key, so a body with more than MAX_MESSAGES of them, as keys or quoted
+    elsewhere, is refused. One that spells its keys otherwise (escapes) is still
+    refused by `check_messages` once parsed."""
+    num_roles = body.count(b'"role"')
+    if num_roles > MAX_MESSAGES:
+        raise ApiError(400, f"messages: the body holds {num_roles} \"role\" keys, more than the "
+                            f"{MAX_MESSAGES} messages a conversation may have", param="messages")
 
 
 # A JSON escape of a UTF-16 surrogate: only bodies holding one can decode to a lone one.
