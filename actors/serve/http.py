@@ -65,8 +65,15 @@ DEFAULT_MIN_BODY_BYTES_PER_S = 8192.0
 # h11 events handled in a row before the connection yields to the others: a body of
 # a hundred thousand one-byte chunks is parsed a slice at a time.
 _EVENTS_PER_TURN = 64
+# Each piece of a body (a chunk, or what one read brought) costs the same to parse
+# whatever its size: past this many, they must average _MIN_PIECE_BYTES, so a body
+# of 10^5 one-byte chunks is refused after a few milliseconds of parsing.
+_FREE_BODY_PIECES = 4096
+_MIN_PIECE_BYTES = 64
 # Deepest nesting of arrays and objects a request body may have.
 MAX_JSON_DEPTH = 64
+# Peers whose pause after refusals is remembered before the lapsed ones are dropped.
+_MAX_PAUSED_PEERS = 4096
 # Pause after accept() fails for lack of descriptors (they free as connections close).
 _ACCEPT_RETRY_S = 0.1
 # Bytes a client may send while its response streams (a pipelined next
@@ -108,6 +115,8 @@ class HttpConfig:
     min_body_bytes_per_s: after `head_timeout_s` of grace from the head, the body
       must keep arriving at least this fast on average.
     metrics_public: /metrics answers without the API key.
+    A peer whose requests are refused (4xx) has its next ones read only after the
+    time their bytes take at the server's `refused_bytes_per_s`.
     The other connection limits are the msgpack server's: its `max_connections`
     (at the limit, a connection that has not sent a whole request head yet, from
     the peer holding the most, is closed to make room), `idle_timeout_s` (between
@@ -149,19 +158,19 @@ class _Exchange:
     def __init__(self, stream: trio.SocketStream, peer: str) -> None:
         self.stream = stream
         self.peer = peer
-        self.opened_s = trio.current_time()
+        self.opened_s = self.head_since_s = trio.current_time()
         self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         # When the write in progress began (None: none); the server's watchdog
         # cancels `scope`, closing the connection, if one lasts send_timeout_s.
         self.send_started_s: float | None = None
         self.scope = trio.CancelScope()
-        # Whole request heads received; a connection with none may be closed to make
-        # room for another peer's (see HttpServer._make_room).
+        # Whole request heads received, and whether it waits for the next one: such a
+        # connection may be closed to make room for another (see HttpServer._make_room).
         self.num_heads = 0
+        self.awaiting_head = True
         # Whether it still counts against the connection limits (False once evicted).
         self.counted = True
-        # The deadline of the read under way, moved as bytes arrive (`on_bytes`).
-        self.read_scope: trio.CancelScope | None = None
+        # Called with the size of each read while a request arrives (moves its deadline).
         self.on_bytes: Callable[[int], None] | None = None
         self._num_events = 0
 
@@ -250,6 +259,10 @@ class HttpServer:
         self.address: tuple[str, int] | None = None
         self.exchanges: set[_Exchange] = set()
         self.peer_connections: Counter[str] = Counter()
+        # Connections that have not sent a request head yet, by peer, oldest first.
+        self._never_headed: dict[str, dict[_Exchange, None]] = {}
+        # Until when each peer's requests wait after refusals (see `_note_refusal`).
+        self.peer_read_after: dict[str, float] = {}
         self.num_evicted = 0
         self.live: dict[str, Choice] = {}  # by request id, from admission to release
         self._none_live = trio.Event()  # set when `live` empties (see wait_released)
@@ -313,6 +326,7 @@ class HttpServer:
         exchange = _Exchange(stream, peer)
         self.exchanges.add(exchange)
         self.peer_connections[peer] += 1
+        self._never_headed.setdefault(peer, {})[exchange] = None
         try:
             with exchange.scope:
                 await self._serve_connection(exchange)
@@ -331,6 +345,7 @@ class HttpServer:
             return
         exchange.counted = False
         self.exchanges.discard(exchange)
+        self._headed(exchange)
         peers = self.peer_connections
         peers[exchange.peer] -= 1
         if peers[exchange.peer] <= 0:
@@ -353,23 +368,39 @@ class HttpServer:
         if victim is None:
             return ApiError(503, f"the server already has {limit} HTTP connections, each "
                                  "with a request under way", code="too_many_connections")
-        _log.info("HTTP connections at the limit (%d): closing one from %s that has sent no "
-                  "whole request in %.1f s", limit, victim.peer, trio.current_time() - victim.opened_s)
+        _log.info("HTTP connections at the limit (%d): closing one from %s waiting for a request "
+                  "head (%d requests in %.1f s)", limit, victim.peer, victim.num_heads,
+                  trio.current_time() - victim.opened_s)
         self._forget(victim)
         victim.scope.cancel()
         self.num_evicted += 1
         return None
 
     def _eviction_victim(self) -> _Exchange | None:
+        """The connection to close for a newcomer: one waiting for a request head, those
+        that never sent one first, then of the peer holding the most, the oldest. The
+        ones that never sent one are kept by peer in the order they came, so the common
+        case costs a look at each peer, not at each connection."""
         peers = self.peer_connections
-        waiting = [e for e in self.exchanges if e.num_heads == 0]
+        fresh = self._never_headed
+        if fresh:
+            peer = max(fresh, key=peers.__getitem__)
+            return next(iter(fresh[peer]))
+        waiting = [e for e in self.exchanges if e.awaiting_head]
         if not waiting:
             return None
         return max(waiting, key=lambda e: (peers[e.peer], -e.opened_s))
 
+    def _headed(self, exchange: _Exchange) -> None:
+        """A connection sent its first request head (or left): no longer a fresh one."""
+        by_peer = self._never_headed.get(exchange.peer)
+        if by_peer is not None and by_peer.pop(exchange, False) is None and not by_peer:
+            del self._never_headed[exchange.peer]
+
     async def _serve_connection(self, exchange: _Exchange) -> None:
         while True:
             request = None
+            await self._wait_turn(exchange)
             try:
                 request = await self._receive_request(exchange)
             except h11.RemoteProtocolError as exc:
@@ -390,44 +421,45 @@ class HttpServer:
         after as much grace again; None when a deadline passes or the peer leaves."""
         config = self.config
         now = trio.current_time()
-        if exchange.num_heads == 0:
-            deadline = exchange.opened_s + config.head_timeout_s
-        else:
+        idle = exchange.num_heads > 0 and not exchange.conn.trailing_data[0]
+        if idle:
             deadline = now + (self.server.config.idle_timeout_s or math.inf)
+        else:
+            deadline = (now if exchange.num_heads else exchange.head_since_s) + config.head_timeout_s
+        exchange.awaiting_head = True
         with trio.CancelScope(deadline=deadline) as scope:
-            exchange.read_scope = scope
-            waiting_first_byte = exchange.num_heads > 0 and not exchange.conn.trailing_data[0]
 
             def on_head_bytes(num_bytes: int) -> None:
-                nonlocal waiting_first_byte
-                if waiting_first_byte:
-                    waiting_first_byte = False
+                nonlocal idle
+                if idle:
+                    idle = False
                     scope.deadline = trio.current_time() + config.head_timeout_s
 
-            if exchange.num_heads > 0 and not waiting_first_byte:
-                scope.deadline = now + config.head_timeout_s
             exchange.on_bytes = on_head_bytes
-            event = await exchange.next_event()
-            if not isinstance(event, h11.Request):
-                return None
-            exchange.num_heads += 1
-            body_start = trio.current_time()
-            received = 0
-
-            def on_body_bytes(num_bytes: int) -> None:
-                nonlocal received
-                received += num_bytes
-                scope.deadline = body_start + config.head_timeout_s + received / config.min_body_bytes_per_s
-
-            scope.deadline = body_start + config.head_timeout_s
-            exchange.on_bytes = on_body_bytes
             try:
+                event = await exchange.next_event()
+                exchange.awaiting_head = False
+                if not isinstance(event, h11.Request):
+                    return None
+                if not exchange.num_heads:
+                    self._headed(exchange)
+                exchange.num_heads += 1
+                body_start = trio.current_time()
+                scope.deadline = body_start + config.head_timeout_s
+                received = 0
+
+                def on_body_bytes(num_bytes: int) -> None:
+                    nonlocal received
+                    received += num_bytes
+                    scope.deadline = (body_start + config.head_timeout_s
+                                      + received / config.min_body_bytes_per_s)
+
+                exchange.on_bytes = on_body_bytes
                 return await self._read_request(exchange, event)
             finally:
                 exchange.on_bytes = None
-                exchange.read_scope = None
-        if scope.cancelled_caught:
-            _log.info("HTTP client %s too slow sending its request; closing", exchange.peer)
+                exchange.awaiting_head = False
+        _log.info("HTTP client %s too slow sending its request; closing", exchange.peer)
         return None
 
     def _next_cycle(self, exchange: _Exchange) -> bool:
@@ -438,8 +470,9 @@ class HttpServer:
         return False
 
     async def _read_request(self, exchange: _Exchange, request: h11.Request):
-        """The method, path, headers and body of a request; None after answering an
-        oversized one (413, and the connection closes)."""
+        """The method, path, the values of its Authorization headers, and its body;
+        None after answering an oversized one (413) or one sent in chunks too small
+        to be worth their cost (400); the connection then closes."""
         headers = {name.lower(): value for name, value in request.headers}
         limit = self.config.max_body_bytes
         declared = headers.get(b"content-length")
@@ -449,16 +482,26 @@ class HttpServer:
                 code="body_too_large"), close=True)
             return None
         body = bytearray()
+        num_pieces = 0
         while True:
             event = await exchange.next_event()
             if isinstance(event, h11.EndOfMessage):
                 break
             if isinstance(event, h11.Data):
                 body += event.data
+                num_pieces += 1
                 if len(body) > limit:
                     await exchange.send_error(ApiError(
                         413, f"the request body has more than {limit} bytes, the limit",
                         code="body_too_large"), close=True)
+                    return None
+                if num_pieces > _FREE_BODY_PIECES and num_pieces * _MIN_PIECE_BYTES > len(body):
+                    _log.warning("HTTP client %s: a body in %d pieces of %.1f bytes on average; "
+                                 "closing", exchange.peer, num_pieces, len(body) / num_pieces)
+                    await exchange.send_error(ApiError(
+                        400, f"the request body came in {num_pieces} chunks of {len(body) // num_pieces} "
+                             f"bytes on average; past {_FREE_BODY_PIECES}, chunks must average "
+                             f"{_MIN_PIECE_BYTES} bytes", code="body_chunks_too_small"), close=True)
                     return None
         path = request.target.split(b"?", 1)[0].decode("ascii", "replace")
         authorization = [value for name, value in request.headers if name == b"authorization"]
@@ -488,8 +531,33 @@ class HttpServer:
             else:
                 raise ApiError(404, f"no route {path}", code="not_found")
         except ApiError as error:
+            if 400 <= error.status < 500:
+                self._note_refusal(exchange.peer, len(body))
             if exchange.conn.our_state is h11.SEND_RESPONSE:
                 await exchange.send_error(error)
+
+    def _note_refusal(self, peer: str, num_bytes: int) -> None:
+        """A request of `num_bytes` from `peer` was refused: its next requests, on any
+        of its connections, are read only after the time those bytes take at the
+        server's `refused_bytes_per_s`, so what refusing costs is the peer's, not the
+        other clients' (as the msgpack server does per connection)."""
+        rate = self.server.config.refused_bytes_per_s
+        if rate is None or not num_bytes:
+            return
+        now = trio.current_time()
+        pauses = self.peer_read_after
+        if len(pauses) >= _MAX_PAUSED_PEERS:
+            for other in [p for p, until in pauses.items() if until <= now]:
+                del pauses[other]
+        pauses[peer] = max(pauses.get(peer, now), now) + num_bytes / rate
+
+    async def _wait_turn(self, exchange: _Exchange) -> None:
+        """Before reading a request: wait out its peer's pause after refusals; its
+        head deadline then counts from the end of the wait."""
+        until = self.peer_read_after.get(exchange.peer)
+        if until is not None and until > trio.current_time():
+            await trio.sleep_until(until)
+            exchange.head_since_s = max(exchange.head_since_s, until)
 
     def _authenticate(self, authorization: list[bytes]) -> KeyGrant | None:
         """Check a request's credentials: exactly one `Authorization: Bearer KEY` header,

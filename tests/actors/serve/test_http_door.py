@@ -15,8 +15,10 @@ import json
 import logging
 import time
 
+import h11
 import pytest
 import trio
+import trio.testing
 
 from cadence.actors.client import open_client
 from cadence.actors.serve import http as http_module
@@ -134,6 +136,20 @@ async def test_at_the_connection_limit_a_silent_connection_makes_room_for_a_new_
         await settled(server)
 
 
+async def test_with_no_silent_connection_left_an_idle_kept_alive_one_makes_room():
+    config = server_config(max_connections=2)
+    async with open_server(engine_config(), config, http=HttpConfig(port=0)) as server:
+        first, second = await _connect(server), await _connect_from(server, "127.0.0.2")
+        for client in (first, second):
+            assert (await client.request("GET", "/health"))[0] == 200
+        third = await _connect_from(server, "127.0.0.3")
+        assert (await third.request("GET", "/health"))[0] == 200
+        assert await _closed_within(first.stream, 5.0) == b""  # the oldest idle one
+        assert (await second.request("GET", "/health"))[0] == 200
+        for client in (first, second, third):
+            await client.stream.aclose()
+
+
 # ---- bodies that would hold the event loop -------------------------------------------------
 
 async def _max_tick_gap_during(work) -> float:
@@ -157,26 +173,64 @@ async def _max_tick_gap_during(work) -> float:
     return max(gaps)
 
 
-async def test_a_body_of_a_hundred_thousand_one_byte_chunks_does_not_hold_the_loop():
+async def test_a_body_of_a_hundred_thousand_one_byte_chunks_is_refused_without_holding_the_loop():
     http = HttpConfig(port=0, max_body_bytes=1 << 20)
     async with open_server(engine_config(), server_config(), http=http) as server:
         body = json.dumps({"prompt": "a" * 100_000, "max_tokens": 1}).encode()
         raw = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
                + b"".join(b"1\r\n%c\r\n" % byte for byte in body) + b"0\r\n\r\n")
         stream = await trio.open_tcp_stream(*server.http.address)
+        replies = []
 
         async def flood():
-            await stream.send_all(raw)
-            reply = b""
-            with trio.fail_after(WAIT_S):
-                while b"\r\n\r\n" not in reply:
-                    reply += await stream.receive_some(1 << 16)
-            assert reply.startswith(b"HTTP/1.1 ")
+            with pytest.raises(trio.BrokenResourceError):  # the server closes mid-body
+                await stream.send_all(raw)
+            replies.append(await _closed_within(stream, WAIT_S))
 
         gap = await _max_tick_gap_during(flood)
-        # Unsliced, each 64 KiB read (about 11,000 chunks) was parsed in one turn.
+        status_line, _, payload = replies[0].partition(b"\r\n")
+        assert status_line.startswith(b"HTTP/1.1 400 ")
+        assert json.loads(payload.partition(b"\r\n\r\n")[2])["error"]["code"] == "body_chunks_too_small"
+        # Parsed whole, the flood held the loop for about a second (each 64 KiB read,
+        # some 11,000 chunks, in one turn).
         assert gap < 0.06, f"the event loop was held {gap:.3f} s"
-        await stream.aclose()
+        # Chunks of a sensible size are served, however many.
+        small = json.dumps({"prompt": [1, 2], "max_tokens": 1, "user": "u" * 500_000}).encode()
+        chunked = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
+                   b"transfer-encoding: chunked\r\n\r\n"
+                   + b"".join(b"%x\r\n%b\r\n" % (len(small[i:i + 128]), small[i:i + 128])
+                              for i in range(0, len(small), 128)) + b"0\r\n\r\n")
+        polite = await trio.open_tcp_stream(*server.http.address)
+        await polite.send_all(chunked)
+        assert (await _closed_within(polite, WAIT_S)).startswith(b"HTTP/1.1 200 ")
+        await settled(server)
+
+
+async def test_events_already_received_are_parsed_a_slice_per_turn():
+    """However many events one read brought, a connection hands the loop over every
+    _EVENTS_PER_TURN of them (Trio may run the other task twice in a row, so it sees
+    fewer distinct counts than there are turns; read whole, it would see one)."""
+    left, right = trio.testing.memory_stream_pair()
+    exchange = http_module._Exchange(left, "peer")
+    num_events = 50 * http_module._EVENTS_PER_TURN
+    exchange.conn.receive_data(
+        b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n" + b"1\r\na\r\n" * num_events)
+    turns = []
+
+    async def other_task():
+        while True:
+            turns.append(len(events))
+            await trio.sleep(0)
+
+    events = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(other_task)
+        await trio.sleep(0)
+        for _ in range(num_events + 1):
+            events.append(await exchange.next_event())
+        nursery.cancel_scope.cancel()
+    assert sum(isinstance(event, h11.Data) for event in events) == num_events
+    assert len(set(turns)) >= 20, "the other task ran only at " + str(sorted(set(turns)))[:200]
 
 
 async def test_a_chat_of_a_hundred_thousand_turns_is_refused_before_it_is_parsed(monkeypatch):
@@ -204,6 +258,23 @@ async def test_a_conversation_over_the_message_limit_spelled_to_dodge_the_count_
         status, body = await client.request("POST", "/v1/chat/completions", parts)
         assert status == 400 and "1025 parts" in json.loads(body)["error"]["message"]
         await client.stream.aclose()
+
+
+async def test_a_peer_whose_requests_are_refused_waits_for_its_next_and_others_do_not():
+    config = server_config(refused_bytes_per_s=1_000_000.0)
+    async with open_server(engine_config(), config, http=HttpConfig(port=0)) as server:
+        costly = await _connect_from(server, "127.0.0.2")
+        status, _ = await costly.request("POST", "/v1/completions", {"prompt": "a", "user": 7, "x": "y" * 1_000_000})
+        assert status == 400
+        start = time.monotonic()
+        neighbour = await _connect(server)
+        status, _ = await neighbour.request("GET", "/health")
+        assert status == 200 and time.monotonic() - start < 0.5
+        again = await _connect_from(server, "127.0.0.2")  # a new connection waits too
+        status, _ = await again.request("GET", "/health")
+        assert status == 200 and time.monotonic() - start > 0.8
+        for client in (costly, neighbour, again):
+            await client.stream.aclose()
 
 
 # ---- malformed JSON ------------------------------------------------------------------------
