@@ -471,39 +471,30 @@ class HttpServer:
 
     async def _read_request(self, exchange: _Exchange, request: h11.Request):
         """The method, path, the values of its Authorization headers, and its body;
-        None after answering an oversized one (413) or one sent in chunks too small
-        to be worth their cost (400); the connection then closes."""
+        None after refusing the body as it arrives (see `_BodyCheck`: 413 or 400, and
+        the connection closes)."""
         headers = {name.lower(): value for name, value in request.headers}
-        limit = self.config.max_body_bytes
+        path = request.target.split(b"?", 1)[0].decode("ascii", "replace")
+        check = _BodyCheck(self.config.max_body_bytes, chat=_GENERATION_PATHS.get(path) is True)
         declared = headers.get(b"content-length")
-        if declared is not None and int(declared) > limit:
-            await exchange.send_error(ApiError(
-                413, f"the request body has {int(declared)} bytes, the limit is {limit}",
-                code="body_too_large"), close=True)
-            return None
+        error = None if declared is None else check.declared(int(declared))
         body = bytearray()
-        num_pieces = 0
-        while True:
+        while error is None:
             event = await exchange.next_event()
             if isinstance(event, h11.EndOfMessage):
                 break
             if isinstance(event, h11.Data):
                 body += event.data
-                num_pieces += 1
-                if len(body) > limit:
-                    await exchange.send_error(ApiError(
-                        413, f"the request body has more than {limit} bytes, the limit",
-                        code="body_too_large"), close=True)
-                    return None
-                if num_pieces > _FREE_BODY_PIECES and num_pieces * _MIN_PIECE_BYTES > len(body):
-                    _log.warning("HTTP client %s: a body in %d pieces of %.1f bytes on average; "
-                                 "closing", exchange.peer, num_pieces, len(body) / num_pieces)
-                    await exchange.send_error(ApiError(
-                        400, f"the request body came in {num_pieces} chunks of {len(body) // num_pieces} "
-                             f"bytes on average; past {_FREE_BODY_PIECES}, chunks must average "
-                             f"{_MIN_PIECE_BYTES} bytes", code="body_chunks_too_small"), close=True)
-                    return None
-        path = request.target.split(b"?", 1)[0].decode("ascii", "replace")
+                error = check.add(event.data)
+        if error is not None:
+            if error.status == 400:
+                _log.warning("HTTP client %s: %s; closing", exchange.peer, error.message[:200])
+                self._note_refusal(exchange.peer, check.num_bytes)
+            await exchange.send_error(error, close=True)
+            # What the client still sends is read and dropped for a moment, so the close
+            # does not reset the connection and destroy the answer before it is read.
+            await _linger_and_close(exchange.stream)
+            return None
         authorization = [value for name, value in request.headers if name == b"authorization"]
         return request.method.decode("ascii", "replace"), path, authorization, bytes(body)
 
@@ -612,8 +603,6 @@ class HttpServer:
     async def _generate(self, exchange: _Exchange, body: bytes, chat: bool,
                         grant: KeyGrant | None) -> None:
         try:
-            if chat:
-                _count_messages_unparsed(body)
             payload = await self.server.run_sized(len(body), decode_body, body)
             request = await parse_request(payload, chat, self)
         except ApiError as exc:
@@ -910,18 +899,51 @@ def decode_body(body: bytes) -> object:
     return payload
 
 
-def _count_messages_unparsed(body: bytes) -> None:
-    """Refuse a chat body with far too many messages before it is parsed (a C-speed
-    count, so a conversation of 10^5 turns costs a millisecond): each message has a
-    "role" key, so a body with more than MAX_MESSAGES of them, as keys or quoted
-    elsewhere, is refused. One that spells its keys otherwise (escapes) is still
-    refused by `check_messages` once parsed."""
-    num_roles = body.count(b'"role"')
-    if num_roles > MAX_MESSAGES:
-        raise ApiError(400, f"messages: the body holds {num_roles} \"role\" keys, more than the "
-                            f"{MAX_MESSAGES} messages a conversation may have", param="messages")
+class _BodyCheck:
+    """The limits a request body is held to as it arrives, each piece (a chunk, or what
+    one read brought) checked once: at most `max_bytes`; past _FREE_BODY_PIECES
+    pieces, at least _MIN_PIECE_BYTES a piece on average (a flood of one-byte chunks
+    is refused after milliseconds of parsing); for a chat, at most MAX_MESSAGES
+    `"role"` keys (each message has one), so a conversation of 10^5 turns is refused
+    after its first quarter megabyte, never parsed. One that spells its keys
+    otherwise (escapes) is still refused by `check_messages` once parsed."""
+
+    def __init__(self, max_bytes: int, chat: bool) -> None:
+        self.max_bytes, self.chat = max_bytes, chat
+        self.num_bytes = self.num_pieces = self.num_roles = 0
+        self._tail = b""  # the last bytes of the body, for a key split across pieces
+
+    def declared(self, num_bytes: int) -> ApiError | None:
+        """The refusal of a body whose Content-Length is too large, or None."""
+        if num_bytes > self.max_bytes:
+            return ApiError(413, f"the request body has {num_bytes} bytes, the limit is "
+                                 f"{self.max_bytes}", code="body_too_large")
+        return None
+
+    def add(self, data: bytes) -> ApiError | None:
+        """Take the next piece; the refusal it brings, or None."""
+        self.num_bytes += len(data)
+        self.num_pieces += 1
+        if self.num_bytes > self.max_bytes:
+            return ApiError(413, f"the request body has more than {self.max_bytes} bytes, the limit",
+                            code="body_too_large")
+        if self.num_pieces > _FREE_BODY_PIECES and self.num_pieces * _MIN_PIECE_BYTES > self.num_bytes:
+            return ApiError(400, f"the request body came in {self.num_pieces} chunks of "
+                                 f"{self.num_bytes // self.num_pieces} bytes on average; past "
+                                 f"{_FREE_BODY_PIECES}, chunks must average {_MIN_PIECE_BYTES} bytes",
+                            code="body_chunks_too_small")
+        if self.chat:
+            window = self._tail + data
+            self.num_roles += window.count(_ROLE_KEY)
+            self._tail = window[1 - len(_ROLE_KEY):]
+            if self.num_roles > MAX_MESSAGES:
+                return ApiError(400, f"messages: the body holds more than {MAX_MESSAGES} \"role\" "
+                                     f"keys, the most messages a conversation may have",
+                                param="messages")
+        return None
 
 
+_ROLE_KEY = b'"role"'
 # A JSON escape of a UTF-16 surrogate: only bodies holding one can decode to a lone one.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 # RFC 6750's b64token after the scheme (case-insensitive), one space between.
