@@ -13,6 +13,17 @@ iterated by the connection's own task, and a client that goes away cancels
 that task at once, which aborts the request and frees its blocks before the
 scheduler plans its next step.
 
+The door holds under slow and abusive clients: connections per peer address
+are capped, a request head must arrive within a deadline and a body at a
+minimum rate, and at the connection limit a connection that has not sent a
+request head yet is closed to make room for a newcomer. A body is checked as
+it arrives (its size, its chunks' sizes, a chat's message count), parsed a
+slice of h11 events per event-loop turn, and its JSON checked for depth and
+lone surrogates before any field is read; each refusal is one WARNING line and
+a 400 in OpenAI's shape. Credentials are checked here too: one well-formed
+`Authorization: Bearer` header, and with an API-key file (identity.py) the key
+names the request's tenant.
+
 Request translation (`openai_api.py`) is kept apart from the transport here.
 """
 
@@ -25,9 +36,9 @@ import math
 import os
 import re
 import time
+from collections import Counter
 from http import HTTPStatus
 from importlib import metadata
-from collections import Counter
 from typing import Callable
 
 import attrs
@@ -876,12 +887,14 @@ def decode_body(body: bytes) -> object:
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the body is not JSON: {exc}") from None
     check_surrogates = _SURROGATE_ESCAPE.search(body) is not None
-    pending: list[tuple[object, int, str]] = [(payload, 0, "")]
+    # Each pending value with its depth and where it is: (the parent's trail, its key),
+    # spelled out as a path only for an error.
+    pending: list[tuple[object, int, tuple | None]] = [(payload, 0, None)]
     while pending:
-        value, depth, path = pending.pop()
+        value, depth, trail = pending.pop()
         if isinstance(value, str):
             if check_surrogates:
-                _check_encodable(value, path)
+                _check_encodable(value, trail)
             continue
         if isinstance(value, dict):
             items = value.items()
@@ -890,12 +903,13 @@ def decode_body(body: bytes) -> object:
         else:
             continue
         if depth >= MAX_JSON_DEPTH:
+            path = _path_of(trail)
             raise ApiError(400, f"{path or 'the body'} is nested deeper than {MAX_JSON_DEPTH} levels",
-                           param=_top_field(path))
+                           param=_top_field(trail))
         for key, item in items:
             if check_surrogates and isinstance(key, str):
-                _check_encodable(key, path)
-            pending.append((item, depth + 1, _path(path, key)))
+                _check_encodable(key, trail)
+            pending.append((item, depth + 1, (trail, key)))
     return payload
 
 
@@ -950,24 +964,35 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _BEARER = re.compile(rb"[Bb][Ee][Aa][Rr][Ee][Rr] ([A-Za-z0-9\-._~+/]+=*)")
 
 
-def _check_encodable(text: str, path: str) -> None:
+def _check_encodable(text: str, trail: tuple | None) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise ApiError(400, f"{path or 'the body'} holds a lone UTF-16 surrogate "
+        raise ApiError(400, f"{_path_of(trail) or 'the body'} holds a lone UTF-16 surrogate "
                             f"({text[exc.start]!r} at character {exc.start}); send valid Unicode",
-                       param=_top_field(path)) from None
+                       param=_top_field(trail)) from None
 
 
-def _path(path: str, key: object) -> str:
-    if isinstance(key, int):
-        return f"{path}[{key}]"
-    return f"{path}.{key}" if path else str(key)
+def _keys_of(trail: tuple | None) -> list:
+    keys = []
+    while trail is not None:
+        trail, key = trail
+        keys.append(key)
+    return keys[::-1]
 
 
-def _top_field(path: str) -> str | None:
-    """The body's field a path is under (its `param`)."""
-    return re.split(r"[.\[]", path, maxsplit=1)[0] or None
+def _path_of(trail: tuple | None) -> str:
+    """A value's place in the body, as `messages[0].content`."""
+    path = ""
+    for key in _keys_of(trail):
+        path = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
+    return path
+
+
+def _top_field(trail: tuple | None) -> str | None:
+    """The body's field a value is under (its `param`)."""
+    keys = _keys_of(trail)
+    return keys[0] if keys and isinstance(keys[0], str) else None
 
 
 def _narrowed(request: ApiRequest, grant: KeyGrant | None) -> ApiRequest:
