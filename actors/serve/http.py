@@ -54,7 +54,7 @@ from .openai_api import (
     status_of, usage_of,
 )
 from .connection import _CAPACITY_ERRNOS, LINGER_S, _linger_and_close
-from .identity import IdentityError, KeyGrant
+from .identity import TOKEN68, IdentityError, KeyGrant
 from .server import Server, _engine_error_code, _StreamState, read_secret_file, tokens_match
 
 __all__ = ["DEFAULT_HTTP_PORT", "HttpConfig", "HttpServer", "serve_http", "add_http_arguments",
@@ -961,7 +961,7 @@ _ROLE_KEY = b'"role"'
 # A JSON escape of a UTF-16 surrogate: only bodies holding one can decode to a lone one.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 # RFC 6750's b64token after the scheme (case-insensitive), one space between.
-_BEARER = re.compile(rb"[Bb][Ee][Aa][Rr][Ee][Rr] ([A-Za-z0-9\-._~+/]+=*)")
+_BEARER = re.compile(rb"[Bb][Ee][Aa][Rr][Ee][Rr] (" + TOKEN68.encode() + rb")")
 
 
 def _check_encodable(text: str, trail: tuple | None) -> None:

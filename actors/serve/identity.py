@@ -21,6 +21,7 @@ whatever part of a wrong key matches a right one.
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Mapping
 
 import attrs
@@ -29,7 +30,12 @@ from cadence.statemachine.errors import ConfigError
 
 from ..wire import MAX_ID, MAX_TENANT_CHARS
 
-__all__ = ["KeyGrant", "ApiKeys", "IdentityError", "SUB_TENANT_SEPARATOR"]
+__all__ = ["KeyGrant", "ApiKeys", "IdentityError", "SUB_TENANT_SEPARATOR", "TOKEN68"]
+
+# What an API key may be spelled with: RFC 6750's b64token, so that every key can be
+# sent as `Authorization: Bearer KEY`.
+TOKEN68 = r"[A-Za-z0-9\-._~+/]+=*"
+_TOKEN68 = re.compile(TOKEN68)
 
 # A key's tenant and a sub-tenant its requests name are joined by this.
 SUB_TENANT_SEPARATOR = "/"
@@ -81,10 +87,11 @@ class ApiKeys:
 
     @classmethod
     def from_grants(cls, grants: Mapping[str, KeyGrant]) -> ApiKeys:
-        """From key -> grant (every key non-empty, free of whitespace)."""
+        """From key -> grant (every key a TOKEN68: letters, digits, -._~+/ and trailing =)."""
         for key in grants:
-            if not key or key != key.strip() or any(c.isspace() for c in key):
-                raise ConfigError("an API key must be non-empty and hold no whitespace")
+            if _TOKEN68.fullmatch(key) is None:
+                raise ConfigError("an API key must be letters, digits and -._~+/ (then any '='), "
+                                  f"as a Bearer token is; got one of {len(key)} characters")
         if not grants:
             raise ConfigError("the API-key list is empty")
         return cls({_digest(key): grant for key, grant in grants.items()})

@@ -336,7 +336,8 @@ def test_an_api_key_file_parses_and_names_its_mistakes(tmp_path):
     for text, words in [("k1\n", "line 1: expected"), ("k1 a\nk1 b\n", "line 2: this key is listed twice"),
                         ("k1 a colour=red\n", "unknown option 'colour=red'"),
                         ("k1 a max_inflight=0\n", "max_inflight must be >= 1"),
-                        ("k1 a min_priority=x\n", "min_priority must be an integer"), ("# none\n", "no API key")]:
+                        ("k1 a min_priority=x\n", "min_priority must be an integer"), ("# none\n", "no API key"),
+                        ("k\u00e9y a\n", "as a Bearer token is")]:
         with pytest.raises(ConfigError, match=words):
             ApiKeys.parse(text, "keys")
 
