@@ -53,7 +53,7 @@ from .openai_api import (
     POISON_STATUS, ApiError, ApiRequest, Choice, ChunkEncoder, completion_body, parse_request,
     status_of, usage_of,
 )
-from .connection import _CAPACITY_ERRNOS, LINGER_S, _linger_and_close
+from .connection import _CAPACITY_ERRNOS, LINGER_S, _linger_and_close, positive
 from .identity import TOKEN68, IdentityError, KeyGrant
 from .server import Server, _engine_error_code, _StreamState, read_secret_file, tokens_match
 
@@ -120,7 +120,8 @@ class HttpConfig:
     max_body_bytes: largest request body (a larger one is answered 413).
     served_model_name: the model id clients name (default: the engine's model).
     max_connections_per_peer: open connections one peer address may hold; more
-      are answered 429 at once.
+      are answered 429 at once (None: no cap; behind a reverse proxy every client
+      is the proxy's address).
     head_timeout_s: a request head must arrive whole this long after the
       connection opens (or, kept alive, after the request's first byte).
     min_body_bytes_per_s: after `head_timeout_s` of grace from the head, the body
@@ -140,8 +141,8 @@ class HttpConfig:
     api_key: str | None = attrs.field(default=None, repr=False)
     max_body_bytes: int = attrs.field(default=DEFAULT_MAX_BODY_BYTES, validator=_positive)
     served_model_name: str | None = None
-    max_connections_per_peer: int = attrs.field(default=DEFAULT_MAX_CONNECTIONS_PER_PEER,
-                                                validator=_positive)
+    max_connections_per_peer: int | None = attrs.field(default=DEFAULT_MAX_CONNECTIONS_PER_PEER,
+                                                       validator=positive)
     head_timeout_s: float = attrs.field(default=DEFAULT_HEAD_TIMEOUT_S, validator=_positive)
     min_body_bytes_per_s: float = attrs.field(default=DEFAULT_MIN_BODY_BYTES_PER_S,
                                               validator=_positive)
@@ -369,7 +370,7 @@ class HttpServer:
         is closed to make room, so slow clients cannot keep new peers out."""
         per_peer = self.config.max_connections_per_peer
         held = self.peer_connections[peer]
-        if held >= per_peer:
+        if per_peer is not None and held >= per_peer:
             return ApiError(429, f"this address already has {held} HTTP connections; "
                                  f"max_connections_per_peer is {per_peer}", code="too_many_connections")
         limit = self.server.config.max_connections
@@ -1052,7 +1053,8 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                        help="largest HTTP request body (default: %(default)s)")
     group.add_argument("--max-connections-per-peer", type=int, default=DEFAULT_MAX_CONNECTIONS_PER_PEER,
-                       help="HTTP connections one client address may hold open (default: %(default)s)")
+                       help="HTTP connections one client address may hold open; 0: no cap, as behind "
+                            "a reverse proxy (default: %(default)s)")
     group.add_argument("--head-timeout-s", type=float, default=DEFAULT_HEAD_TIMEOUT_S,
                        help="seconds a client has to send a whole request head (default: %(default)s)")
     group.add_argument("--min-body-bytes-per-s", type=float, default=DEFAULT_MIN_BODY_BYTES_PER_S,
@@ -1073,7 +1075,7 @@ def http_config_from_args(args: argparse.Namespace) -> HttpConfig | None:
     return HttpConfig(host=args.host, port=port, api_key=_read_api_key(args),
                       max_body_bytes=args.max_body_bytes,
                       served_model_name=args.served_model_name or args.model,
-                      max_connections_per_peer=args.max_connections_per_peer,
+                      max_connections_per_peer=args.max_connections_per_peer or None,
                       head_timeout_s=args.head_timeout_s,
                       min_body_bytes_per_s=args.min_body_bytes_per_s,
                       metrics_public=args.metrics_public)

@@ -189,9 +189,9 @@ async def test_a_body_of_a_hundred_thousand_one_byte_chunks_is_refused_without_h
         status_line, _, payload = replies[0].partition(b"\r\n")
         assert status_line.startswith(b"HTTP/1.1 400 ")
         assert json.loads(payload.partition(b"\r\n\r\n")[2])["error"]["code"] == "body_chunks_too_small"
-        # Parsed whole, the flood held the loop for about a second (each 64 KiB read,
-        # some 11,000 chunks, in one turn).
-        assert gap < 0.06, f"the event loop was held {gap:.3f} s"
+        # Parsed whole, the flood held the loop for about a second, each 64 KiB read (some
+        # 11,000 chunks) in one turn; the slicing itself is pinned down by the test below.
+        assert gap < 0.25, f"the event loop was held {gap:.3f} s"
         # Chunks of a sensible size are served, however many.
         small = json.dumps({"prompt": [1, 2], "max_tokens": 1, "user": "u" * 500_000}).encode()
         chunked = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
@@ -493,6 +493,8 @@ def test_serve_options_for_keys_and_the_door(tmp_path):
     http = http_config_from_args(args)
     assert (http.metrics_public, http.max_connections_per_peer, http.head_timeout_s,
             http.min_body_bytes_per_s, http.api_key) == (True, 9, 2.0, 100.0, None)
+    assert http_config_from_args(parser.parse_args(["serve", "--max-connections-per-peer", "0"])
+                                 ).max_connections_per_peer is None
     both = parser.parse_args(["serve", "--api-keys", str(keys), "--api-key", "x"])
     with pytest.raises(ConfigError, match="not both"):
         http_config_from_args(both)
