@@ -53,7 +53,7 @@ from .openai_api import (
     POISON_STATUS, ApiError, ApiRequest, Choice, ChunkEncoder, completion_body, parse_request,
     status_of, usage_of,
 )
-from .connection import _CAPACITY_ERRNOS, LINGER_S, _linger_and_close, positive
+from .connection import _CAPACITY_ERRNOS, _linger_and_close, positive
 from .identity import TOKEN68, IdentityError, KeyGrant
 from .server import Server, _engine_error_code, _StreamState, read_secret_file, tokens_match
 
@@ -85,6 +85,10 @@ _MIN_PIECE_BYTES = 64
 MAX_JSON_DEPTH = 64
 # Peers whose pause after refusals is remembered before the lapsed ones are dropped.
 _MAX_PAUSED_PEERS = 4096
+# How long a connection refused at once may hold its descriptor while its answer goes
+# out: short, so a flood of connections past a peer's cap cannot run the process out
+# of descriptors (what it sent by then, a request head, is read first).
+_REFUSAL_LINGER_S = 0.1
 # Pause after accept() fails for lack of descriptors (they free as connections close).
 _ACCEPT_RETRY_S = 0.1
 # Bytes a client may send while its response streams (a pipelined next
@@ -838,7 +842,7 @@ async def _refuse(stream: trio.SocketStream, error: ApiError) -> None:
     head = (b"HTTP/1.1 %d %b\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
             b"connection: close\r\n\r\n" % (error.status, reason, len(payload)))
     try:
-        with trio.move_on_after(LINGER_S):
+        with trio.move_on_after(_REFUSAL_LINGER_S):
             await stream.send_all(head + payload)
             await _linger_and_close(stream)
     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
