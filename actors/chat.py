@@ -26,13 +26,17 @@ import attrs
 from cadence.statemachine.errors import ConfigError, InvalidRequestError
 
 __all__ = ["CHAT_TEMPLATE_FILE", "ChatTemplate", "ChatTemplateError", "EngineChat", "check_messages",
-           "encode_rendered", "text_size"]
+           "encode_rendered", "text_size", "MAX_MESSAGES", "MAX_CONTENT_PARTS"]
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 # tokenizer_config.json keys whose strings a template may use by name.
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
                       "mask_token")
+# Most messages in one conversation, and content parts in one message: a longer
+# conversation is refused before any of it is rendered.
+MAX_MESSAGES = 8192
+MAX_CONTENT_PARTS = 1024
 # A tokenizer_config.json may hold several named templates; this one is used.
 DEFAULT_TEMPLATE_NAME = "default"
 
@@ -96,10 +100,14 @@ def _config_template(value: object) -> str | None:
 
 
 def check_messages(messages: object, path: str = "messages") -> list[dict]:
-    """Validate a conversation: a non-empty list of maps with a string `role`;
-    raises InvalidRequestError naming the first bad element."""
+    """Validate a conversation: a non-empty list of at most MAX_MESSAGES maps with a
+    string `role`, each content a string or at most MAX_CONTENT_PARTS parts; raises
+    InvalidRequestError naming the first bad element. Its cost is bounded by the
+    limits, whatever the conversation's size."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError(f"{path} must be a non-empty list of messages")
+    if len(messages) > MAX_MESSAGES:
+        raise InvalidRequestError(f"{path} has {len(messages)} messages, the limit is {MAX_MESSAGES}")
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
             raise InvalidRequestError(f"{path}[{index}] must be an object, got {type(message).__name__}")
@@ -108,6 +116,9 @@ def check_messages(messages: object, path: str = "messages") -> list[dict]:
         content = message.get("content")
         if content is not None and not isinstance(content, (str, list)):
             raise InvalidRequestError(f"{path}[{index}].content must be a string or a list of parts")
+        if isinstance(content, list) and len(content) > MAX_CONTENT_PARTS:
+            raise InvalidRequestError(f"{path}[{index}].content has {len(content)} parts, the limit "
+                                      f"is {MAX_CONTENT_PARTS}")
     return messages  # type: ignore[return-value]
 
 

@@ -45,7 +45,7 @@ from contextlib import ExitStack
 import trio
 
 from cadence.actors.client import open_client
-from server_child import serve_child
+from server_child import cpu_s, serve_child
 from cadence.actors.wire import (
     MAX_REPLY_FRAME_BYTES, FrameBuffer, Generate, Hello, SamplingParams, ServerError, decode_reply,
     encode, pack_frame,
@@ -187,17 +187,6 @@ def _serve(args):
     return serve_child("--sim-step-us", str(args.step_us), "--log-level", "error", num_signals=2)
 
 
-def _cpu_s(pid: int) -> float | None:
-    """CPU seconds (user and system) a process has used so far; None where /proc is missing."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    # After the command name: state is field 3, utime and stime fields 14 and 15.
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _run(args, num_abusers: int) -> dict:
     """One scenario; with CPU seconds each process spent while the clients ran (the
     well-behaved clients' server, the abusers' process and, with --elsewhere, their
@@ -211,10 +200,10 @@ def _run(args, num_abusers: int) -> dict:
                 time.sleep(args.warmup_s)  # let the abuse reach its steady state
             pids = {"server": child.process.pid, "abusers": abusers and abusers.pid,
                     "abusers_server": other and other.process.pid}
-            before = {name: _cpu_s(pid) for name, pid in pids.items() if pid}
+            before = {name: cpu_s(pid) for name, pid in pids.items() if pid}
             result = trio.run(_scenario, child.tcp, args)
             for name, start in before.items():
-                end = _cpu_s(pids[name])
+                end = cpu_s(pids[name])
                 if start is not None and end is not None:
                     result[f"{name}_cpu_s"] = round(end - start, 3)
             return result

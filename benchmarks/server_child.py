@@ -3,6 +3,7 @@ measure a server from outside (its own process, so its CPU time is its own)."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -44,3 +45,14 @@ def serve_child(*options: str, num_signals: int = 1) -> Iterator[ServedChild]:
             process.wait(_STOP_WAIT_S)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+def cpu_s(pid: int) -> float | None:
+    """CPU seconds (user and system) a process has used so far; None where /proc is missing."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    # After the command name: state is field 3, utime and stime fields 14 and 15.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -50,6 +50,7 @@ from ..wire import (
     FrameTooLargeError, Generate, HealthQuery, Hello, MessageError, StatsQuery, decode_request,
     encode, pack_frame, text_prompt_span,
 )
+from .identity import IdentityError, KeyGrant
 from .metrics import NullMetrics
 
 __all__ = ["ConnectionConfig", "Front", "Connection", "StreamState", "Outbox", "Fatal", "fatal", "refuse",
@@ -692,6 +693,15 @@ class Front:
         expected = self.config.token
         return expected is None or tokens_match(token, expected)
 
+    def authenticate(self, token: str | None) -> tuple[bool, KeyGrant | None]:
+        """Whether a Hello's token is acceptable, and the grant it carries: with an
+        API-key file (`api_keys`), the token must be one of its keys."""
+        keys = getattr(self.config, "api_keys", None)
+        if keys is None:
+            return self.check_token(token), None
+        grant = keys.grant_of(token)
+        return grant is not None, grant
+
     # ---- slow clients ------------------------------------------------------------
     async def watch_sends(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Evict connections whose current write has made no progress for
@@ -750,6 +760,8 @@ class Connection:
         self._receive_scope: trio.CancelScope | None = None
         self.streams_nursery: trio.Nursery | None = None
         self._greeted = False
+        # What the Hello's API key grants (None: no API-key file, or not greeted yet).
+        self.grant: KeyGrant | None = None
         # Deadlines count from the connection's start and from its last whole
         # frame, so trickling bytes cannot keep a connection alive.
         self._handshake_deadline = trio.current_time() + self.config.handshake_timeout_s
@@ -1030,7 +1042,8 @@ class Connection:
             self.metrics.on_protocol_error(ErrorCode.HANDSHAKE_REQUIRED.value)
             raise fatal(ErrorCode.HANDSHAKE_REQUIRED,
                         f"the first message must be Hello, got {message.TYPE}", "protocol_error")
-        if not self.front.check_token(message.token):
+        accepted, self.grant = self.front.authenticate(message.token)
+        if not accepted:
             raise fatal(ErrorCode.UNAUTHORIZED, "missing or wrong token", "unauthorized")
         self._greeted = True
         if message.client:
@@ -1055,13 +1068,26 @@ class Connection:
         elif dropped_prompt_bytes is not None:
             refusal = self._refuse_prompt_bytes(message, dropped_prompt_bytes)
         else:
-            refusal = self.refuse_generate(message)
+            try:
+                message = self._identify(message)
+                refusal = self.refuse_generate(message)
+            except IdentityError as exc:
+                refusal = Error(ErrorCode.INVALID_REQUEST.value, str(exc), stream=sid)
         if refusal is not None:
             self.metrics.on_rejected(refusal.code)
             self.note_refusal(self._frame_bytes)
             await self.send(refusal)
             return
         await self.open_stream(message)
+
+    def _identify(self, message: Generate) -> Generate:
+        """The Generate as the connection's API key allows it: its tenant narrowed to
+        the key's, its priority no more urgent than the key's ceiling."""
+        grant = self.grant
+        if grant is None:
+            return message
+        return attrs.evolve(message, tenant=grant.tenant_of(message.tenant),
+                            priority=grant.priority_of(message.priority))
 
     def _refuse_prompt_bytes(self, message: Generate, num_bytes: int) -> Error:
         """The refusal of a Generate whose text prompt of `num_bytes` was dropped unread

@@ -13,6 +13,17 @@ iterated by the connection's own task, and a client that goes away cancels
 that task at once, which aborts the request and frees its blocks before the
 scheduler plans its next step.
 
+The door holds under slow and abusive clients: connections per peer address
+are capped, a request head must arrive within a deadline and a body at a
+minimum rate, and at the connection limit a connection that has not sent a
+request head yet is closed to make room for a newcomer. A body is checked as
+it arrives (its size, its chunks' sizes, a chat's message count), parsed a
+slice of h11 events per event-loop turn, and its JSON checked for depth and
+lone surrogates before any field is read; each refusal is one WARNING line and
+a 400 in OpenAI's shape. Credentials are checked here too: one well-formed
+`Authorization: Bearer` header, and with an API-key file (identity.py) the key
+names the request's tenant.
+
 Request translation (`openai_api.py`) is kept apart from the transport here.
 """
 
@@ -23,7 +34,9 @@ import json
 import logging
 import math
 import os
+import re
 import time
+from collections import Counter
 from http import HTTPStatus
 from importlib import metadata
 from typing import Callable
@@ -34,11 +47,14 @@ import trio
 
 from cadence.statemachine.errors import CadenceError, ConfigError, PoisonRequestError
 
+from ..chat import MAX_MESSAGES
 from ..wire import ErrorCode
 from .openai_api import (
     POISON_STATUS, ApiError, ApiRequest, Choice, ChunkEncoder, completion_body, parse_request,
     status_of, usage_of,
 )
+from .connection import _CAPACITY_ERRNOS, _linger_and_close, positive
+from .identity import TOKEN68, IdentityError, KeyGrant
 from .server import Server, _engine_error_code, _StreamState, read_secret_file, tokens_match
 
 __all__ = ["DEFAULT_HTTP_PORT", "HttpConfig", "HttpServer", "serve_http", "add_http_arguments",
@@ -51,6 +67,30 @@ DEFAULT_HTTP_PORT = 8000
 MAX_HEAD_BYTES = 16 * 1024
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 _READ_BYTES = 1 << 16
+# Most HTTP connections one peer address may hold open (see HttpConfig).
+DEFAULT_MAX_CONNECTIONS_PER_PEER = 64
+# Seconds a request head (request line and headers) may take to arrive whole.
+DEFAULT_HEAD_TIMEOUT_S = 10.0
+# The slowest a request body may arrive on average, after the head's grace.
+DEFAULT_MIN_BODY_BYTES_PER_S = 8192.0
+# h11 events handled in a row before the connection yields to the others: a body of
+# a hundred thousand one-byte chunks is parsed a slice at a time.
+_EVENTS_PER_TURN = 64
+# Each piece of a body (a chunk, or what one read brought) costs the same to parse
+# whatever its size: past this many, they must average _MIN_PIECE_BYTES, so a body
+# of 10^5 one-byte chunks is refused after a few milliseconds of parsing.
+_FREE_BODY_PIECES = 4096
+_MIN_PIECE_BYTES = 64
+# Deepest nesting of arrays and objects a request body may have.
+MAX_JSON_DEPTH = 64
+# Peers whose pause after refusals is remembered before the lapsed ones are dropped.
+_MAX_PAUSED_PEERS = 4096
+# How long a connection refused at once may hold its descriptor while its answer goes
+# out: short, so a flood of connections past a peer's cap cannot run the process out
+# of descriptors (what it sent by then, a request head, is read first).
+_REFUSAL_LINGER_S = 0.1
+# Pause after accept() fails for lack of descriptors (they free as connections close).
+_ACCEPT_RETRY_S = 0.1
 # Bytes a client may send while its response streams (a pipelined next
 # request is kept for later); past this the connection is closed.
 _MAX_PIPELINED_BYTES = 1 << 20
@@ -79,13 +119,25 @@ class HttpConfig:
     """Where the HTTP API listens and what it asks of clients.
 
     host, port: TCP address (port 0: any free port).
-    api_key: the Bearer token every /v1/ request must carry (None: no auth).
+    api_key: the Bearer token every /v1/ request must carry (None: no auth, or
+      the server's `api_keys`, whose keys then name each request's tenant).
     max_body_bytes: largest request body (a larger one is answered 413).
     served_model_name: the model id clients name (default: the engine's model).
-    The connection limits and timeouts are the msgpack server's: its
-    `max_connections`, `handshake_timeout_s` (to send a whole request),
-    `idle_timeout_s` (between requests on a kept-alive connection) and
-    `send_timeout_s` (a write that makes no progress).
+    max_connections_per_peer: open connections one peer address may hold; more
+      are answered 429 at once (None: no cap; behind a reverse proxy every client
+      is the proxy's address).
+    head_timeout_s: a request head must arrive whole this long after the
+      connection opens (or, kept alive, after the request's first byte).
+    min_body_bytes_per_s: after `head_timeout_s` of grace from the head, the body
+      must keep arriving at least this fast on average.
+    metrics_public: /metrics answers without the API key.
+    A peer whose requests are refused (4xx) has its next ones read only after the
+    time their bytes take at the server's `refused_bytes_per_s`.
+    The other connection limits are the msgpack server's: its `max_connections`
+    (at the limit, a connection that has not sent a whole request head yet, from
+    the peer holding the most, is closed to make room), `idle_timeout_s` (between
+    requests on a kept-alive connection) and `send_timeout_s` (a write that makes
+    no progress).
     """
 
     host: str = "127.0.0.1"
@@ -93,6 +145,12 @@ class HttpConfig:
     api_key: str | None = attrs.field(default=None, repr=False)
     max_body_bytes: int = attrs.field(default=DEFAULT_MAX_BODY_BYTES, validator=_positive)
     served_model_name: str | None = None
+    max_connections_per_peer: int | None = attrs.field(default=DEFAULT_MAX_CONNECTIONS_PER_PEER,
+                                                       validator=positive)
+    head_timeout_s: float = attrs.field(default=DEFAULT_HEAD_TIMEOUT_S, validator=_positive)
+    min_body_bytes_per_s: float = attrs.field(default=DEFAULT_MIN_BODY_BYTES_PER_S,
+                                              validator=_positive)
+    metrics_public: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
@@ -113,21 +171,39 @@ class _ClientGone(Exception):
 class _Exchange:
     """One HTTP connection: h11 state, and the only writer of its socket."""
 
-    def __init__(self, stream: trio.SocketStream) -> None:
+    def __init__(self, stream: trio.SocketStream, peer: str) -> None:
         self.stream = stream
+        self.peer = peer
+        self.opened_s = self.head_since_s = trio.current_time()
         self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         # When the write in progress began (None: none); the server's watchdog
         # cancels `scope`, closing the connection, if one lasts send_timeout_s.
         self.send_started_s: float | None = None
         self.scope = trio.CancelScope()
+        # Whole request heads received, and whether it waits for the next one: such a
+        # connection may be closed to make room for another (see HttpServer._make_room).
+        self.num_heads = 0
+        self.awaiting_head = True
+        # Whether it still counts against the connection limits (False once evicted).
+        self.counted = True
+        # Called with the size of each read while a request arrives (moves its deadline).
+        self.on_bytes: Callable[[int], None] | None = None
+        self._num_events = 0
 
     async def next_event(self):
-        """The next h11 event, reading from the socket as needed."""
+        """The next h11 event, reading from the socket as needed; after every
+        _EVENTS_PER_TURN events it yields, so a body of tiny chunks cannot hold the
+        event loop."""
+        self._num_events += 1
+        if self._num_events % _EVENTS_PER_TURN == 0:
+            await trio.lowlevel.checkpoint()
         while True:
             event = self.conn.next_event()
             if event is not h11.NEED_DATA:
                 return event
             data = await self.stream.receive_some(_READ_BYTES)
+            if self.on_bytes is not None and data:
+                self.on_bytes(len(data))
             self.conn.receive_data(data)
 
     async def send(self, *events) -> None:
@@ -193,8 +269,17 @@ class HttpServer:
         self.engine = server.engine
         self.config = config if config is not None else HttpConfig()
         self.model_name = self.config.served_model_name or self.engine.config.model
+        self.api_keys = server.config.api_keys
+        if self.api_keys is not None and self.config.api_key is not None:
+            raise ConfigError("give the HTTP API an API key or the server an API-key file, not both")
         self.address: tuple[str, int] | None = None
         self.exchanges: set[_Exchange] = set()
+        self.peer_connections: Counter[str] = Counter()
+        # Connections that have not sent a request head yet, by peer, oldest first.
+        self._never_headed: dict[str, dict[_Exchange, None]] = {}
+        # Until when each peer's requests wait after refusals (see `_note_refusal`).
+        self.peer_read_after: dict[str, float] = {}
+        self.num_evicted = 0
         self.live: dict[str, Choice] = {}  # by request id, from admission to release
         self._none_live = trio.Event()  # set when `live` empties (see wait_released)
         self.chat = server.chat
@@ -209,13 +294,29 @@ class HttpServer:
         backlog = min(65535, max(128, self.server.config.max_connections))
         listeners = await trio.open_tcp_listeners(config.port, host=config.host, backlog=backlog)
         self.address = tuple(listeners[0].socket.getsockname()[:2])
-        if config.host not in ("127.0.0.1", "::1", "localhost") and config.api_key is None:
+        if (config.host not in ("127.0.0.1", "::1", "localhost") and config.api_key is None
+                and self.api_keys is None):
             _log.warning("HTTP API on %s without an API key: anyone who can reach it may use "
                          "the engine", config.host)
         task_status.started(self)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch_sends)
-            await trio.serve_listeners(self._handle, listeners)
+            for listener in listeners:
+                nursery.start_soon(self._accept, listener, nursery)
+
+    async def _accept(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+        async with listener:
+            while True:
+                try:
+                    stream = await listener.accept()
+                except OSError as exc:
+                    if exc.errno not in _CAPACITY_ERRNOS:
+                        raise
+                    _log.warning("cannot accept HTTP connections: %s (%d open)", exc.strerror,
+                                 len(self.exchanges))
+                    await trio.sleep(_ACCEPT_RETRY_S)
+                    continue
+                nursery.start_soon(self._handle, stream)
 
     async def _watch_sends(self) -> None:
         """Close connections whose current write has made no progress for
@@ -232,43 +333,92 @@ class HttpServer:
 
     # ---- a connection ------------------------------------------------------------
     async def _handle(self, stream: trio.SocketStream) -> None:
-        limits = self.server.config
-        exchange = _Exchange(stream)
+        peer = _peer_of(stream)
+        refusal = self._make_room(peer)
+        if refusal is not None:
+            self._reject(refusal.code)
+            await _refuse(stream, refusal)
+            return
+        exchange = _Exchange(stream, peer)
         self.exchanges.add(exchange)
+        self.peer_connections[peer] += 1
+        self._never_headed.setdefault(peer, {})[exchange] = None
         try:
             with exchange.scope:
-                if len(self.exchanges) > limits.max_connections:
-                    await self._refuse(exchange, ApiError(
-                        503, f"the server already has {limits.max_connections} HTTP connections",
-                        code="too_many_connections"))
-                    return
                 await self._serve_connection(exchange)
         except (_ClientGone, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass
         except Exception:  # a bug here must cost one connection, never the server
             _log.exception("HTTP connection failed")
         finally:
-            self.exchanges.discard(exchange)
+            self._forget(exchange)
             with trio.CancelScope(shield=True):
                 await stream.aclose()
 
-    async def _refuse(self, exchange: _Exchange, error: ApiError) -> None:
-        with trio.move_on_after(self.server.config.handshake_timeout_s):
-            event = await exchange.next_event()
-            if isinstance(event, h11.Request):
-                await exchange.send_error(error, close=True)
+    def _forget(self, exchange: _Exchange) -> None:
+        """Take a connection out of the counts (once, whether it ended or was evicted)."""
+        if not exchange.counted:
+            return
+        exchange.counted = False
+        self.exchanges.discard(exchange)
+        self._headed(exchange)
+        peers = self.peer_connections
+        peers[exchange.peer] -= 1
+        if peers[exchange.peer] <= 0:
+            del peers[exchange.peer]
+
+    def _make_room(self, peer: str) -> ApiError | None:
+        """Admit a new connection from `peer`, or say why not. A peer holds at most
+        max_connections_per_peer; at max_connections, the oldest connection that has
+        not sent a whole request head yet, of the peer holding the most connections,
+        is closed to make room, so slow clients cannot keep new peers out."""
+        per_peer = self.config.max_connections_per_peer
+        held = self.peer_connections[peer]
+        if per_peer is not None and held >= per_peer:
+            return ApiError(429, f"this address already has {held} HTTP connections; "
+                                 f"max_connections_per_peer is {per_peer}", code="too_many_connections")
+        limit = self.server.config.max_connections
+        if len(self.exchanges) < limit:
+            return None
+        victim = self._eviction_victim()
+        if victim is None:
+            return ApiError(503, f"the server already has {limit} HTTP connections, each "
+                                 "with a request under way", code="too_many_connections")
+        _log.info("HTTP connections at the limit (%d): closing one from %s waiting for a request "
+                  "head (%d requests in %.1f s)", limit, victim.peer, victim.num_heads,
+                  trio.current_time() - victim.opened_s)
+        self._forget(victim)
+        victim.scope.cancel()
+        self.num_evicted += 1
+        return None
+
+    def _eviction_victim(self) -> _Exchange | None:
+        """The connection to close for a newcomer: one waiting for a request head, those
+        that never sent one first, then of the peer holding the most, the oldest. The
+        ones that never sent one are kept by peer in the order they came, so the common
+        case costs a look at each peer, not at each connection."""
+        peers = self.peer_connections
+        fresh = self._never_headed
+        if fresh:
+            peer = max(fresh, key=peers.__getitem__)
+            return next(iter(fresh[peer]))
+        waiting = [e for e in self.exchanges if e.awaiting_head]
+        if not waiting:
+            return None
+        return max(waiting, key=lambda e: (peers[e.peer], -e.opened_s))
+
+    def _headed(self, exchange: _Exchange) -> None:
+        """A connection sent its first request head (or left): no longer a fresh one."""
+        by_peer = self._never_headed.get(exchange.peer)
+        if by_peer is not None and by_peer.pop(exchange, False) is None and not by_peer:
+            del self._never_headed[exchange.peer]
 
     async def _serve_connection(self, exchange: _Exchange) -> None:
-        limits = self.server.config
-        # A new connection must send its request promptly; a kept-alive one may idle.
-        timeout = limits.handshake_timeout_s
         while True:
             request = None
+            await self._wait_turn(exchange)
             try:
-                with trio.move_on_after(timeout):
-                    event = await exchange.next_event()
-                    if isinstance(event, h11.Request):
-                        request = await self._read_request(exchange, event)
+                request = await self._receive_request(exchange)
             except h11.RemoteProtocolError as exc:
                 if exchange.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
                     await exchange.send_error(ApiError(exc.error_status_hint, f"bad HTTP request: {exc}"),
@@ -279,7 +429,54 @@ class HttpServer:
             await self._respond(exchange, *request)
             if not self._next_cycle(exchange):
                 return
-            timeout = limits.idle_timeout_s or math.inf
+
+    async def _receive_request(self, exchange: _Exchange):
+        """The next request of a connection (see `_read_request`), under its deadlines:
+        the head whole within head_timeout_s (of the connection's start, or of the
+        first byte after a kept-alive idle wait), then the body at min_body_bytes_per_s
+        after as much grace again; None when a deadline passes or the peer leaves."""
+        config = self.config
+        now = trio.current_time()
+        idle = exchange.num_heads > 0 and not exchange.conn.trailing_data[0]
+        if idle:
+            deadline = now + (self.server.config.idle_timeout_s or math.inf)
+        else:
+            deadline = (now if exchange.num_heads else exchange.head_since_s) + config.head_timeout_s
+        exchange.awaiting_head = True
+        with trio.CancelScope(deadline=deadline) as scope:
+
+            def on_head_bytes(num_bytes: int) -> None:
+                nonlocal idle
+                if idle:
+                    idle = False
+                    scope.deadline = trio.current_time() + config.head_timeout_s
+
+            exchange.on_bytes = on_head_bytes
+            try:
+                event = await exchange.next_event()
+                exchange.awaiting_head = False
+                if not isinstance(event, h11.Request):
+                    return None
+                if not exchange.num_heads:
+                    self._headed(exchange)
+                exchange.num_heads += 1
+                body_start = trio.current_time()
+                scope.deadline = body_start + config.head_timeout_s
+                received = 0
+
+                def on_body_bytes(num_bytes: int) -> None:
+                    nonlocal received
+                    received += num_bytes
+                    scope.deadline = (body_start + config.head_timeout_s
+                                      + received / config.min_body_bytes_per_s)
+
+                exchange.on_bytes = on_body_bytes
+                return await self._read_request(exchange, event)
+            finally:
+                exchange.on_bytes = None
+                exchange.awaiting_head = False
+        _log.info("HTTP client %s too slow sending its request; closing", exchange.peer)
+        return None
 
     def _next_cycle(self, exchange: _Exchange) -> bool:
         conn = exchange.conn
@@ -289,39 +486,43 @@ class HttpServer:
         return False
 
     async def _read_request(self, exchange: _Exchange, request: h11.Request):
-        """The method, path, headers and body of a request; None after answering an
-        oversized one (413, and the connection closes)."""
+        """The method, path, the values of its Authorization headers, and its body;
+        None after refusing the body as it arrives (see `_BodyCheck`: 413 or 400, and
+        the connection closes)."""
         headers = {name.lower(): value for name, value in request.headers}
-        limit = self.config.max_body_bytes
+        path = request.target.split(b"?", 1)[0].decode("ascii", "replace")
+        check = _BodyCheck(self.config.max_body_bytes, chat=_GENERATION_PATHS.get(path) is True)
         declared = headers.get(b"content-length")
-        if declared is not None and int(declared) > limit:
-            await exchange.send_error(ApiError(
-                413, f"the request body has {int(declared)} bytes, the limit is {limit}",
-                code="body_too_large"), close=True)
-            return None
+        error = None if declared is None else check.declared(int(declared))
         body = bytearray()
-        while True:
+        while error is None:
             event = await exchange.next_event()
             if isinstance(event, h11.EndOfMessage):
                 break
             if isinstance(event, h11.Data):
                 body += event.data
-                if len(body) > limit:
-                    await exchange.send_error(ApiError(
-                        413, f"the request body has more than {limit} bytes, the limit",
-                        code="body_too_large"), close=True)
-                    return None
-        path = request.target.split(b"?", 1)[0].decode("ascii", "replace")
-        return request.method.decode("ascii", "replace"), path, headers, bytes(body)
+                error = check.add(event.data)
+        if error is not None:
+            if error.status == 400:
+                _log.warning("HTTP client %s: %s; closing", exchange.peer, error.message[:200])
+                self._note_refusal(exchange.peer, check.num_bytes)
+            await exchange.send_error(error, close=True)
+            # What the client still sends is read and dropped for a moment, so the close
+            # does not reset the connection and destroy the answer before it is read.
+            await _linger_and_close(exchange.stream)
+            return None
+        authorization = [value for name, value in request.headers if name == b"authorization"]
+        return request.method.decode("ascii", "replace"), path, authorization, bytes(body)
 
-    async def _respond(self, exchange: _Exchange, method: str, path: str, headers: dict,
-                       body: bytes) -> None:
+    async def _respond(self, exchange: _Exchange, method: str, path: str,
+                       authorization: list[bytes], body: bytes) -> None:
         try:
-            if path.startswith("/v1/"):
-                self._authenticate(headers)
+            grant = None
+            if path.startswith("/v1/") or (path == "/metrics" and not self.config.metrics_public):
+                grant = self._authenticate(authorization)
             if path in _GENERATION_PATHS:
                 _allow(method, "POST")
-                await self._generate(exchange, body, chat=_GENERATION_PATHS[path])
+                await self._generate(exchange, body, _GENERATION_PATHS[path], grant)
             elif path == "/v1/models":
                 _allow(method, "GET")
                 await exchange.send_json(200, self._models())
@@ -337,18 +538,54 @@ class HttpServer:
             else:
                 raise ApiError(404, f"no route {path}", code="not_found")
         except ApiError as error:
+            if 400 <= error.status < 500:
+                self._note_refusal(exchange.peer, len(body))
             if exchange.conn.our_state is h11.SEND_RESPONSE:
                 await exchange.send_error(error)
 
-    def _authenticate(self, headers: dict) -> None:
-        expected = self.config.api_key
-        if expected is None:
+    def _note_refusal(self, peer: str, num_bytes: int) -> None:
+        """A request of `num_bytes` from `peer` was refused: its next requests, on any
+        of its connections, are read only after the time those bytes take at the
+        server's `refused_bytes_per_s`, so what refusing costs is the peer's, not the
+        other clients' (as the msgpack server does per connection)."""
+        rate = self.server.config.refused_bytes_per_s
+        if rate is None or not num_bytes:
             return
-        given = headers.get(b"authorization", b"")
-        scheme, _, token = given.partition(b" ")
-        if scheme.lower() != b"bearer" or not tokens_match(token.strip().decode("latin-1"), expected):
-            raise ApiError(401, "missing or wrong API key (send Authorization: Bearer KEY)",
+        now = trio.current_time()
+        pauses = self.peer_read_after
+        if len(pauses) >= _MAX_PAUSED_PEERS:
+            for other in [p for p, until in pauses.items() if until <= now]:
+                del pauses[other]
+        pauses[peer] = max(pauses.get(peer, now), now) + num_bytes / rate
+
+    async def _wait_turn(self, exchange: _Exchange) -> None:
+        """Before reading a request: wait out its peer's pause after refusals; its
+        head deadline then counts from the end of the wait."""
+        until = self.peer_read_after.get(exchange.peer)
+        if until is not None and until > trio.current_time():
+            await trio.sleep_until(until)
+            exchange.head_since_s = max(exchange.head_since_s, until)
+
+    def _authenticate(self, authorization: list[bytes]) -> KeyGrant | None:
+        """Check a request's credentials: exactly one `Authorization: Bearer KEY` header,
+        well formed, with the API key (or one of the API-key file's, whose grant is
+        returned); 401 otherwise."""
+        expected, keys = self.config.api_key, self.api_keys
+        if expected is None and keys is None:
+            return None
+        if len(authorization) != 1:
+            raise ApiError(401, "missing API key (send Authorization: Bearer KEY)" if not authorization
+                           else f"{len(authorization)} Authorization headers; send exactly one",
                            code="invalid_api_key")
+        match = _BEARER.fullmatch(authorization[0])
+        if match is None:
+            raise ApiError(401, "malformed Authorization header (send Authorization: Bearer KEY)",
+                           code="invalid_api_key")
+        token = match.group(1).decode("ascii")
+        grant = keys.grant_of(token) if keys is not None else None
+        if grant is None and (expected is None or not tokens_match(token, expected)):
+            raise ApiError(401, "wrong API key", code="invalid_api_key")
+        return grant
 
     # ---- small endpoints ---------------------------------------------------------
     def _models(self) -> dict:
@@ -379,13 +616,16 @@ class HttpServer:
             h11.Data(data=payload), h11.EndOfMessage())
 
     # ---- generation --------------------------------------------------------------
-    async def _generate(self, exchange: _Exchange, body: bytes, chat: bool) -> None:
+    async def _generate(self, exchange: _Exchange, body: bytes, chat: bool,
+                        grant: KeyGrant | None) -> None:
         try:
-            payload = await self.server.run_sized(len(body), json.loads, body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"the body is not JSON: {exc}") from None
-        request = await parse_request(payload, chat, self)
-        choices = self._admit(request)
+            payload = await self.server.run_sized(len(body), decode_body, body)
+            request = await parse_request(payload, chat, self)
+        except ApiError as exc:
+            if exc.status == 400:
+                _log.warning("HTTP client %s: %s", exchange.peer, exc.message[:200])
+            raise
+        choices = self._admit(_narrowed(request, grant), grant)
         # Cancelled when the client goes away: every choice's stream is then
         # abandoned mid-iteration, which aborts its request. What ends the answer
         # is raised after the nursery, never through it (no exception group).
@@ -412,22 +652,20 @@ class HttpServer:
         if ending is not None:
             raise ending
 
-    def _admit(self, request: ApiRequest) -> list[Choice]:
+    def _admit(self, request: ApiRequest, grant: KeyGrant | None) -> list[Choice]:
         """Check the shared limits and take the request's places in the in-flight counts."""
-        server, limits = self.server, self.server.config
+        server = self.server
         num_choices = len(request.prompts) * request.n
         if server.draining:
             self._reject("shutdown")
             raise ApiError(503, "the server is shutting down", code="shutdown")
-        per_tenant = limits.max_inflight_per_tenant
-        if per_tenant is not None and server.tenant_inflight[request.tenant] + num_choices > per_tenant:
+        refusal = server.inflight_refusal(request.tenant, grant, num_choices)
+        if refusal is not None:
             self._reject("tenant_limit")
-            raise ApiError(429, f"tenant {request.tenant[:64]!r} already has "
-                                f"{server.tenant_inflight[request.tenant]} live streams and asks for "
-                                f"{num_choices}; max_inflight_per_tenant is {per_tenant}",
-                           code="tenant_limit")
+            raise ApiError(429, refusal[0], code="tenant_limit")
         choices: list[Choice] = []
-        options = dict(priority=request.priority, tenant=request.tenant, deadline_s=request.deadline_s)
+        options = dict(priority=request.priority, tenant=request.tenant, deadline_s=request.deadline_s,
+                       cache_salt=request.cache_salt)
         for prompt_index, prompt in enumerate(request.prompts):
             request_ids = []
             for _ in range(request.n):
@@ -440,9 +678,9 @@ class HttpServer:
                 else [self.engine.generate(prompt, request.params_for(0), request_id=request_ids[0],
                                            **options)])
             for request_id, stream in zip(request_ids, streams):
-                state = _StreamState(len(choices), tenant=request.tenant, request_id=request_id)
-                server.num_inflight += 1
-                server.tenant_inflight[request.tenant] += 1
+                state = _StreamState(len(choices), tenant=request.tenant, request_id=request_id,
+                                     grant=grant)
+                server.stream_started(state)
                 choice = Choice(len(choices), prompt_index, stream, state)
                 self.live[request_id] = choice
                 choices.append(choice)
@@ -585,6 +823,35 @@ class HttpServer:
         await exchange.send(h11.EndOfMessage())
 
 
+def _peer_of(stream: trio.SocketStream) -> str:
+    """The peer's address without its port: what max_connections_per_peer counts."""
+    try:
+        name = stream.socket.getpeername()
+    except OSError:
+        return "?"
+    return str(name[0]) if isinstance(name, tuple) else "unix"
+
+
+async def _refuse(stream: trio.SocketStream, error: ApiError) -> None:
+    """Answer a connection that is not admitted with `error` at once, before it sends
+    anything (HTTP lets a server answer early and close), and close it; what it sends
+    meanwhile is read and dropped for a moment, so the close does not destroy the
+    answer."""
+    payload = json.dumps(error.body(), separators=(",", ":")).encode("utf-8")
+    reason = HTTPStatus(error.status).phrase.encode()
+    head = (b"HTTP/1.1 %d %b\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n" % (error.status, reason, len(payload)))
+    try:
+        with trio.move_on_after(_REFUSAL_LINGER_S):
+            await stream.send_all(head + payload)
+            await _linger_and_close(stream)
+    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        pass
+    finally:
+        with trio.CancelScope(shield=True):
+            await stream.aclose()
+
+
 def _response(status: int, headers: list) -> h11.Response:
     try:
         reason = HTTPStatus(status).phrase.encode()
@@ -611,6 +878,138 @@ def _raise_first_error(choices: list[Choice], draining: bool) -> None:
     for choice in choices:
         if choice.error is not None:
             raise _api_error(choice.error, draining)
+
+
+def decode_body(body: bytes) -> object:
+    """A request body's JSON, checked before any field is read: no nesting deeper
+    than MAX_JSON_DEPTH, and no string holding a lone surrogate (`\\ud800`, which
+    JSON can spell but UTF-8 cannot carry); ApiError 400 otherwise. Iterative, so
+    its cost is linear in the body, whatever its shape."""
+    try:
+        payload = json.loads(body)
+    except RecursionError:
+        raise ApiError(400, f"the body is nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the body is not JSON: {exc}") from None
+    check_surrogates = _SURROGATE_ESCAPE.search(body) is not None
+    # Each pending value with its depth and where it is: (the parent's trail, its key),
+    # spelled out as a path only for an error.
+    pending: list[tuple[object, int, tuple | None]] = [(payload, 0, None)]
+    while pending:
+        value, depth, trail = pending.pop()
+        if isinstance(value, str):
+            if check_surrogates:
+                _check_encodable(value, trail)
+            continue
+        if isinstance(value, dict):
+            items = value.items()
+        elif isinstance(value, list):
+            items = enumerate(value)
+        else:
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            path = _path_of(trail)
+            raise ApiError(400, f"{path or 'the body'} is nested deeper than {MAX_JSON_DEPTH} levels",
+                           param=_top_field(trail))
+        for key, item in items:
+            if check_surrogates and isinstance(key, str):
+                _check_encodable(key, trail)
+            pending.append((item, depth + 1, (trail, key)))
+    return payload
+
+
+class _BodyCheck:
+    """The limits a request body is held to as it arrives, each piece (a chunk, or what
+    one read brought) checked once: at most `max_bytes`; past _FREE_BODY_PIECES
+    pieces, at least _MIN_PIECE_BYTES a piece on average (a flood of one-byte chunks
+    is refused after milliseconds of parsing); for a chat, at most MAX_MESSAGES
+    `"role"` keys (each message has one), so a conversation of 10^5 turns is refused
+    after its first quarter megabyte, never parsed. One that spells its keys
+    otherwise (escapes) is still refused by `check_messages` once parsed."""
+
+    def __init__(self, max_bytes: int, chat: bool) -> None:
+        self.max_bytes, self.chat = max_bytes, chat
+        self.num_bytes = self.num_pieces = self.num_roles = 0
+        self._tail = b""  # the last bytes of the body, for a key split across pieces
+
+    def declared(self, num_bytes: int) -> ApiError | None:
+        """The refusal of a body whose Content-Length is too large, or None."""
+        if num_bytes > self.max_bytes:
+            return ApiError(413, f"the request body has {num_bytes} bytes, the limit is "
+                                 f"{self.max_bytes}", code="body_too_large")
+        return None
+
+    def add(self, data: bytes) -> ApiError | None:
+        """Take the next piece; the refusal it brings, or None."""
+        self.num_bytes += len(data)
+        self.num_pieces += 1
+        if self.num_bytes > self.max_bytes:
+            return ApiError(413, f"the request body has more than {self.max_bytes} bytes, the limit",
+                            code="body_too_large")
+        if self.num_pieces > _FREE_BODY_PIECES and self.num_pieces * _MIN_PIECE_BYTES > self.num_bytes:
+            return ApiError(400, f"the request body came in {self.num_pieces} chunks of "
+                                 f"{self.num_bytes // self.num_pieces} bytes on average; past "
+                                 f"{_FREE_BODY_PIECES}, chunks must average {_MIN_PIECE_BYTES} bytes",
+                            code="body_chunks_too_small")
+        if self.chat:
+            window = self._tail + data
+            self.num_roles += window.count(_ROLE_KEY)
+            self._tail = window[1 - len(_ROLE_KEY):]
+            if self.num_roles > MAX_MESSAGES:
+                return ApiError(400, f"messages: the body holds more than {MAX_MESSAGES} \"role\" "
+                                     f"keys, the most messages a conversation may have",
+                                param="messages")
+        return None
+
+
+_ROLE_KEY = b'"role"'
+# A JSON escape of a UTF-16 surrogate: only bodies holding one can decode to a lone one.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# RFC 6750's b64token after the scheme (case-insensitive), one space between.
+_BEARER = re.compile(rb"[Bb][Ee][Aa][Rr][Ee][Rr] (" + TOKEN68.encode() + rb")")
+
+
+def _check_encodable(text: str, trail: tuple | None) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(400, f"{_path_of(trail) or 'the body'} holds a lone UTF-16 surrogate "
+                            f"({text[exc.start]!r} at character {exc.start}); send valid Unicode",
+                       param=_top_field(trail)) from None
+
+
+def _keys_of(trail: tuple | None) -> list:
+    keys = []
+    while trail is not None:
+        trail, key = trail
+        keys.append(key)
+    return keys[::-1]
+
+
+def _path_of(trail: tuple | None) -> str:
+    """A value's place in the body, as `messages[0].content`."""
+    path = ""
+    for key in _keys_of(trail):
+        path = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
+    return path
+
+
+def _top_field(trail: tuple | None) -> str | None:
+    """The body's field a value is under (its `param`)."""
+    keys = _keys_of(trail)
+    return keys[0] if keys and isinstance(keys[0], str) else None
+
+
+def _narrowed(request: ApiRequest, grant: KeyGrant | None) -> ApiRequest:
+    """The request as its API key allows it: the key's tenant (or a sub-tenant of it),
+    a priority no more urgent than the key's ceiling; 403 naming the tenant otherwise."""
+    if grant is None:
+        return request
+    try:
+        tenant = grant.tenant_of(request.tenant)
+    except IdentityError as exc:
+        raise ApiError(403, str(exc), param=exc.field, code="tenant_not_allowed") from None
+    return attrs.evolve(request, tenant=tenant, priority=grant.priority_of(request.priority))
 
 
 def _allow(method: str, allowed: str) -> None:
@@ -657,6 +1056,16 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
                        help="the model id clients name (default: --model)")
     group.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                        help="largest HTTP request body (default: %(default)s)")
+    group.add_argument("--max-connections-per-peer", type=int, default=DEFAULT_MAX_CONNECTIONS_PER_PEER,
+                       help="HTTP connections one client address may hold open; 0: no cap, as behind "
+                            "a reverse proxy (default: %(default)s)")
+    group.add_argument("--head-timeout-s", type=float, default=DEFAULT_HEAD_TIMEOUT_S,
+                       help="seconds a client has to send a whole request head (default: %(default)s)")
+    group.add_argument("--min-body-bytes-per-s", type=float, default=DEFAULT_MIN_BODY_BYTES_PER_S,
+                       help="slowest average rate of a request body, after --head-timeout-s of "
+                            "grace (default: %(default)s)")
+    group.add_argument("--metrics-public", action="store_true",
+                       help="serve /metrics without the API key")
 
 
 def http_config_from_args(args: argparse.Namespace) -> HttpConfig | None:
@@ -669,10 +1078,19 @@ def http_config_from_args(args: argparse.Namespace) -> HttpConfig | None:
         port = 0 if args.port == 0 else DEFAULT_HTTP_PORT
     return HttpConfig(host=args.host, port=port, api_key=_read_api_key(args),
                       max_body_bytes=args.max_body_bytes,
-                      served_model_name=args.served_model_name or args.model)
+                      served_model_name=args.served_model_name or args.model,
+                      max_connections_per_peer=args.max_connections_per_peer or None,
+                      head_timeout_s=args.head_timeout_s,
+                      min_body_bytes_per_s=args.min_body_bytes_per_s,
+                      metrics_public=args.metrics_public)
 
 
 def _read_api_key(args: argparse.Namespace) -> str | None:
+    given = args.api_key is not None or args.api_key_file is not None
+    if getattr(args, "api_keys", None) is not None:
+        if given:
+            raise ConfigError("give --api-key (or --api-key-file) or --api-keys, not both")
+        return None
     if args.api_key is not None:
         return args.api_key
     if args.api_key_file is not None:

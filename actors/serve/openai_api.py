@@ -21,11 +21,12 @@ import attrs
 from cadence.statemachine.errors import InvalidRequestError, ProtocolError
 from cadence.statemachine.sampling import SamplingParams, StructuredOutput
 
-from ..chat import text_size
+from ..chat import check_messages, text_size
 from ..engine import Engine, RequestStream
 from ..fields import (
     check_bool, check_dict, check_finite_float, check_ids, check_int, check_str, check_strs, kind,
 )
+from ..validation import MAX_CACHE_SALT_CHARS
 from ..wire import MAX_ID, MAX_TENANT_CHARS, ErrorCode
 from .server import _StreamState
 
@@ -42,7 +43,8 @@ _NULL = b"null"
 # The most alternatives per token SamplingParams allows.
 MAX_TOP_LOGPROBS = 20
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "invalid_request_error",
                 405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
                 500: "server_error", 503: "service_unavailable"}
 # The error type of a request failed as a poison (see ApiError).
@@ -61,7 +63,7 @@ _COMMON_FIELDS = frozenset({
     "model", "stream", "stream_options", "max_tokens", "n", "stop", "seed", "logprobs", "user",
     "top_k", "priority", "tenant", "deadline_s", "min_tokens", "ignore_eos", "stop_token_ids",
     "include_stop_str_in_output", "best_of", "return_token_ids", "response_format", "regex", "grammar",
-    *_SAMPLING_FLOATS})
+    "cache_salt", *_SAMPLING_FLOATS})
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs",
                                  "add_generation_prompt", "chat_template_kwargs"}
@@ -122,6 +124,8 @@ class ApiRequest:
     deadline_s: float | None = None
     # Cadence's extension: each choice (and chunk) carries its token ids too.
     return_token_ids: bool = False
+    # Requests share cached prompt blocks only with requests of the same salt (and tenant).
+    cache_salt: str | None = None
 
     def params_for(self, sample: int) -> SamplingParams:
         """The parameters of the `sample`-th of n choices: seeded choices differ."""
@@ -190,7 +194,8 @@ async def parse_request(body: object, chat: bool, http) -> ApiRequest:
         priority=_field(body, "priority", check_int, -MAX_ID - 1, MAX_ID) or 0,
         tenant=tenant if tenant is not None else "default",
         deadline_s=_field(body, "deadline_s", check_finite_float),
-        return_token_ids=bool(_field(body, "return_token_ids", check_bool)))
+        return_token_ids=bool(_field(body, "return_token_ids", check_bool)),
+        cache_salt=_field(body, "cache_salt", check_str, MAX_CACHE_SALT_CHARS))
 
 
 def _completion_prompts(prompt: object) -> list:
@@ -215,6 +220,7 @@ async def _chat_prompt(body: dict, http) -> list[int]:
     variables = _field(body, "chat_template_kwargs", check_dict) or {}
     messages = body.get("messages")
     try:
+        check_messages(messages)  # its limits, before any cost that grows with the conversation
         return await http.server.run_sized(
             text_size(messages) + text_size(variables), http.chat.prompt_ids, messages,
             add_generation_prompt=add_generation_prompt is not False, **variables)
@@ -329,6 +335,7 @@ class Choice:
     started: bool = False
     released: bool = False
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
     num_tokens: int = 0
     texts: list = attrs.Factory(list)
     token_ids: list = attrs.Factory(list)
@@ -352,6 +359,7 @@ class Choice:
             if out.logprobs is not None:
                 self.logprobs.extend(zip(out.token_ids, out.logprobs))
         self.num_tokens = out.num_tokens
+        self.num_cached_tokens = out.num_cached_tokens
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason
 
@@ -472,10 +480,12 @@ def _prompt_text(prompt, http) -> str:
 
 def usage_of(request: ApiRequest, choices: list[Choice]) -> dict:
     """Token counts: each prompt once (however many samples it had), every completion."""
-    prompt_tokens = sum(c.num_prompt_tokens for c in choices if c.index % request.n == 0)
+    firsts = [c for c in choices if c.index % request.n == 0]
+    prompt_tokens = sum(c.num_prompt_tokens for c in firsts)
     completion_tokens = sum(c.num_tokens for c in choices)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_tokens for c in firsts)}}
 
 
 class ChunkEncoder:

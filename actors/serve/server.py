@@ -47,7 +47,7 @@ from cadence.statemachine.errors import (
     QueueFullError, RequestNotFoundError, RequestTooLongError,
 )
 
-from ..chat import EngineChat, text_size
+from ..chat import EngineChat, check_messages, text_size
 from ..engine import Engine, EngineConfig, RequestStream, open_engine
 from ..trio_thread import TrioThread
 from ..unwrap import unwrap_sole_error, unwrapping
@@ -59,6 +59,7 @@ from ..wire import (
 from .connection import (
     Connection, ConnectionConfig, Front, StreamState, bare_errors, port_number, positive, tokens_match,
 )
+from .identity import ApiKeys, KeyGrant
 from .metrics import NullMetrics, ServerMetrics, serve_metrics
 
 __all__ = [
@@ -90,6 +91,8 @@ class ServerConfig(ConnectionConfig):
     max_inflight_per_tenant: live streams per tenant (None: no per-tenant limit).
     shutdown_grace_s: on shutdown, how long running requests may finish.
     metrics_host, metrics_port: Prometheus endpoint (None: off).
+    api_keys: the API keys of HTTP and msgpack clients, each granting a tenant
+      (identity.py); instead of `token` (None: `token`, or no auth).
     """
 
     port: int | None = attrs.field(default=DEFAULT_PORT, validator=port_number, kw_only=True)
@@ -98,6 +101,12 @@ class ServerConfig(ConnectionConfig):
     shutdown_grace_s: float = attrs.field(default=30.0, validator=attrs.validators.ge(0), kw_only=True)
     metrics_host: str = attrs.field(default="127.0.0.1", kw_only=True)
     metrics_port: int | None = attrs.field(default=None, validator=port_number, kw_only=True)
+    api_keys: ApiKeys | None = attrs.field(default=None, kw_only=True, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        if self.api_keys is not None and self.token is not None:
+            raise ConfigError("give a token or an API-key file, not both")
 
     def limits(self) -> dict[str, int | float | None]:
         """The limits a client is told about in Welcome."""
@@ -126,6 +135,8 @@ class _StreamState(StreamState):
 
     tenant: str = attrs.field(kw_only=True)
     request_id: str = attrs.field(kw_only=True)
+    # The API key's grant it was made under (None: no API-key file).
+    grant: KeyGrant | None = attrs.field(default=None, kw_only=True)
     started: bool = False
     request_stream: RequestStream | None = None
     # Estimated wire bytes of each token it has not sent yet (see `_wire_bytes_per_token`).
@@ -161,6 +172,8 @@ class Server(Front):
         self.engine = engine
         self.request_limits = engine.request_limits
         self.tenant_inflight: Counter[str] = Counter()
+        # Live streams per API key's tenant (with an API-key file), for `max_inflight`.
+        self.key_inflight: Counter[str] = Counter()
         self.num_inflight = 0
         self.metrics_address: tuple[str, int] | None = None
         self.http = None  # the HttpServer beside it, if any
@@ -260,6 +273,8 @@ class Server(Front):
         """Count a new stream in the in-flight counts."""
         self.num_inflight += 1
         self.tenant_inflight[state.tenant] += 1
+        if state.grant is not None:
+            self.key_inflight[state.grant.tenant] += 1
 
     def stream_finished(self, state: _StreamState) -> None:
         """Release a stream's place in the in-flight counts."""
@@ -268,8 +283,30 @@ class Server(Front):
         tenants[state.tenant] -= 1
         if tenants[state.tenant] <= 0:
             del tenants[state.tenant]
+        if state.grant is not None:
+            keys = self.key_inflight
+            keys[state.grant.tenant] -= 1
+            if keys[state.grant.tenant] <= 0:
+                del keys[state.grant.tenant]
         if self.num_inflight == 0:
             self._all_idle.set()
+
+    def inflight_refusal(self, tenant: str, grant: KeyGrant | None,
+                         num_streams: int) -> tuple[str, str] | None:
+        """Why `num_streams` more live streams of `tenant` (under `grant`) would pass a
+        limit, and the limit's name; None when they fit. Shared by msgpack and HTTP."""
+        limit = self.config.max_inflight_per_tenant
+        live = self.tenant_inflight[tenant]
+        if limit is not None and live + num_streams > limit:
+            return (f"tenant {tenant[:64]!r} already has {live} live streams and asks for "
+                    f"{num_streams}; max_inflight_per_tenant is {limit}", "max_inflight_per_tenant")
+        if grant is not None and grant.max_inflight is not None:
+            live = self.key_inflight[grant.tenant]
+            if live + num_streams > grant.max_inflight:
+                return (f"the API key of tenant {grant.tenant[:64]!r} already has {live} live "
+                        f"streams and asks for {num_streams}; its max_inflight is "
+                        f"{grant.max_inflight}", "max_inflight")
+        return None
 
     def health(self, ref: int) -> HealthReply:
         """The answer to a Health query."""
@@ -319,14 +356,12 @@ class _ServerConnection(Connection):
         await self.send(self.server.health(ref))
 
     def refuse_generate(self, message: Generate) -> Error | None:
-        """The per-tenant limit, across connections."""
-        server, limit = self.server, self.config.max_inflight_per_tenant
-        if limit is not None and server.tenant_inflight[message.tenant] >= limit:
-            return Error(ErrorCode.TENANT_LIMIT.value,
-                         f"tenant {message.tenant[:64]!r} already has "
-                         f"{server.tenant_inflight[message.tenant]} live streams",
-                         stream=message.stream, limit="max_inflight_per_tenant")
-        return None
+        """The per-tenant limit and the API key's in-flight limit, across connections."""
+        refusal = self.server.inflight_refusal(message.tenant, self.grant, 1)
+        if refusal is None:
+            return None
+        text, limit = refusal
+        return Error(ErrorCode.TENANT_LIMIT.value, text, stream=message.stream, limit=limit)
 
     async def open_stream(self, message: Generate) -> None:
         """Start the engine request in a task of its own (a conversation is
@@ -334,6 +369,7 @@ class _ServerConnection(Connection):
         server = self.server
         if message.messages is not None:
             try:
+                check_messages(message.messages)  # its limits, before costs that grow with it
                 prompt = await server.run_sized(text_size(message.messages), server.chat.prompt_ids,
                                                 message.messages)
                 message = attrs.evolve(message, prompt=prompt, messages=None)
@@ -342,7 +378,7 @@ class _ServerConnection(Connection):
                 self.note_refusal(self._frame_bytes)
                 await self.send(Error(ErrorCode.INVALID_REQUEST.value, str(exc), stream=message.stream))
                 return
-        state = _StreamState(message.stream, tenant=message.tenant,
+        state = _StreamState(message.stream, tenant=message.tenant, grant=self.grant,
                              request_id=server.next_request_id(self.conn_id),
                              bytes_per_token=_wire_bytes_per_token(
                                  message, server.request_limits.max_bytes_per_token))
@@ -525,6 +561,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     net.add_argument("--token-file", metavar="PATH", default=None,
                      help="require the shared token in this file (also read from the "
                           "CADENCE_TOKEN environment variable)")
+    net.add_argument("--api-keys", metavar="FILE", default=None,
+                     help="API keys of msgpack and HTTP clients, one a line: KEY TENANT "
+                          "[min_priority=N] [max_inflight=N]; each key's requests are its tenant "
+                          "(or a sub-tenant TENANT/...), whatever they name (instead of "
+                          "--token-file and --api-key)")
     limits = parser.add_argument_group("limits")
     defaults = ServerConfig()
     limits.add_argument("--max-frame-bytes", type=int, default=defaults.max_frame_bytes,
@@ -585,7 +626,11 @@ def read_secret_file(path: str, what: str) -> str:
 
 def _read_token(args: argparse.Namespace) -> str | None:
     if args.token_file is not None:
+        if args.api_keys is not None:
+            raise ConfigError("give --token-file or --api-keys, not both")
         return read_secret_file(args.token_file, "token")
+    if args.api_keys is not None:
+        return None
     return os.environ.get("CADENCE_TOKEN") or None
 
 
@@ -609,7 +654,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         send_timeout_s=args.send_timeout_s, output_queue_frames=args.output_queue_frames,
         max_unsent_bytes=args.max_unsent_bytes or None,
         shutdown_grace_s=args.shutdown_grace_s, metrics_host=args.metrics_host,
-        metrics_port=args.metrics_port)
+        metrics_port=args.metrics_port,
+        api_keys=None if args.api_keys is None else ApiKeys.from_file(args.api_keys))
 
 
 def run_serve(args: argparse.Namespace) -> int:

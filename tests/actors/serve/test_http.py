@@ -315,14 +315,15 @@ def test_a_client_leaving_before_a_whole_answer_aborts_its_request(served):
     assert _num_aborted(served) == aborted + 1
 
 
-def test_health_metrics_and_version_need_no_key(served, client):
+def test_health_and_version_need_no_key_and_metrics_do(served, client):
     import httpx2 as httpx
 
     host, port = served.server.http.address
     base = f"http://{host}:{port}"
     health = httpx.get(base + "/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
-    metrics = httpx.get(base + "/metrics").text
+    assert httpx.get(base + "/metrics").status_code == 401
+    metrics = httpx.get(base + "/metrics", headers={"authorization": f"Bearer {API_KEY}"}).text
     assert re.search(r"^cadence_generation_tokens_total \d", metrics, re.M)
     assert httpx.get(base + "/version").json()["version"]
 

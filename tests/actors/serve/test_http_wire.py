@@ -270,7 +270,8 @@ async def test_n_samples_share_their_prompts_computed_blocks(stream, caching):
             "stream_options": {"include_usage": True} if stream else None})
         assert status == 200
         answer = _events(body)[-2] if stream else json.loads(body)
-        assert answer["usage"] == {"prompt_tokens": 40, "completion_tokens": 24, "total_tokens": 64}
+        assert answer["usage"] == {"prompt_tokens": 40, "completion_tokens": 24, "total_tokens": 64,
+                                   "prompt_tokens_details": {"cached_tokens": 0}}
         # The four samples are one request group: one computes the prompt, the three
         # others hold its full blocks (all but the block of the last prompt token,
         # which each computes itself), with or without the prefix cache.
