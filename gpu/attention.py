@@ -191,11 +191,11 @@ def cpu_paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Same result as the reference: decodes through the CPU kernel that reads the cache
-    blocks in place (`cadence.gpu.cpu_attention`), prefills as in `sdpa_paged_attention`.
+    blocks in place (`cadence.gpu.cpu_kernels`), prefills as in `sdpa_paged_attention`.
     Where the kernel cannot be built, exactly `sdpa_paged_attention`."""
-    from . import cpu_attention
+    from . import cpu_kernels
 
-    kernel = cpu_attention.load()
+    kernel = cpu_kernels.load()
     if kernel is None or query.device.type != "cpu":
         return sdpa_paged_attention(query, k_cache, v_cache, meta, scale)
 

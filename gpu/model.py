@@ -269,22 +269,25 @@ class CausalLM(nn.Module):
             layer.self_attn.backend = backend
         return previous
 
-    def set_fused_elementwise(self, on: bool) -> None:
+    def set_fused_elementwise(self, on: bool, kernels=None) -> None:
         """Run every RMSNorm (with the residual add after attention), SwiGLU activation,
         and each attention block's query/key norms, rotary embedding and cache write as
-        single Triton kernels (`cadence.gpu.triton_fused`), or as torch ops. Results
-        agree up to the float32 order of the norms' sums."""
+        single kernels of `kernels` (default `cadence.gpu.triton_fused`; the CPU's are
+        `cadence.gpu.cpu_kernels`), or as torch ops. Results agree up to the float32
+        order of the norms' sums."""
         fused = None
         if on:
-            from . import triton_fused  # needs triton; imported only when asked for
-            fused = triton_fused
+            if kernels is None:
+                from . import triton_fused  # needs triton; imported only when asked for
+                kernels = triton_fused
+            fused = kernels
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP)):
                 module.fused = fused
             elif isinstance(module, Attention):
-                # The rotary kernel tiles whole heads: powers of two only.
+                # The Triton rotary kernel tiles whole heads: powers of two only.
                 power_of_two = module.head_dim & (module.head_dim - 1) == 0
-                module.fused = fused if power_of_two else None
+                module.fused = fused if power_of_two or getattr(fused, "ANY_HEAD_DIM", False) else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab_size] for hidden states [N, hidden_size]."""

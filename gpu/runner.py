@@ -32,7 +32,7 @@ from cadence.statemachine.errors import ConfigError, ExecutorError
 from cadence.statemachine.plan import StepPlan, StepResult
 from cadence.statemachine.sampling import SamplingParams, StructuredOutput
 
-from . import cpu_attention, cpu_linear
+from . import cpu_kernels, cpu_linear
 from .attention import AttentionMetadata, get_attention_backend
 from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs, DecodeInputs, StagingBuffer, graph_batch_sizes
@@ -213,7 +213,7 @@ def default_attention_backend(device: torch.device) -> str:
     """On CPU "cpu" (the in-place decode kernel) where it builds, else "sdpa"; on CUDA
     "triton" (the paged kernels, with decode graphs) where triton imports, else "sdpa"."""
     if device.type == "cpu":
-        return "cpu" if cpu_attention.load() is not None else "sdpa"
+        return "cpu" if cpu_kernels.load() is not None else "sdpa"
     if device.type != "cuda":
         return "sdpa"
     try:
@@ -321,9 +321,9 @@ class ModelRunner:
         elif attention_backend == "cpu":
             if self.device.type != "cpu":
                 raise ConfigError(f"attention_backend 'cpu' runs on the CPU, not {self.device.type!r}")
-            if cpu_attention.load() is None:  # built now, not inside the first step
+            if cpu_kernels.load() is None:  # built now, not inside the first step
                 raise ConfigError(f"attention_backend 'cpu': its kernel could not be built "
-                                  f"({cpu_attention.unavailable_reason()})")
+                                  f"({cpu_kernels.unavailable_reason()})")
         if isinstance(dtype, str) and dtype != "auto":
             if dtype not in DTYPES:
                 raise ConfigError(f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -343,6 +343,8 @@ class ModelRunner:
         self.cpu_path = self._resolve_cpu_path(cpu_path)
         if self.cpu_path == "packed":
             self.model.pack()
+            if cpu_kernels.load() is not None:
+                self.model.set_fused_elementwise(True, cpu_kernels)
         if fused_elementwise:
             # Before any decode graph is captured, so the graphs hold the fused kernels.
             self.model.set_fused_elementwise(True)

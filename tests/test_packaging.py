@@ -26,7 +26,7 @@ EXPECTED_FILES = (
     "cadence/actors/asyncio_engine.py",
     "cadence/gpu/__init__.py",
     "cadence/gpu/demo_model/model.safetensors",
-    "cadence/gpu/cpu_attention.cpp",
+    "cadence/gpu/cpu_kernels.cpp",
     "cadence/spec/__init__.py",
 ) + tuple(f"cadence/{package}/py.typed" for package in ("statemachine", "actors", "gpu", "spec"))
 # Build outputs and caches that must not travel into the copy the wheel is built from.

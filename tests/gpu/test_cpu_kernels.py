@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from cadence.gpu import cpu_attention, cpu_linear, preset
+from cadence.gpu import cpu_kernels, cpu_linear, preset
 from cadence.gpu.attention import AttentionMetadata, cpu_paged_attention, reference_paged_attention
 from cadence.gpu.model import build_model, init_random_weights
 from cadence.gpu.attention import get_attention_backend
@@ -16,8 +16,8 @@ from cadence.gpu.attention import get_attention_backend
 
 @pytest.fixture(scope="module")
 def kernel():
-    module = cpu_attention.load()
-    assert module is not None, f"the CPU attention kernel did not build: {cpu_attention.unavailable_reason()}"
+    module = cpu_kernels.load()
+    assert module is not None, f"the CPU attention kernel did not build: {cpu_kernels.unavailable_reason()}"
     return module
 
 
@@ -109,9 +109,9 @@ def test_cpu_backend_mixes_kernel_decodes_with_sdpa_prefills():
 
 
 def test_the_kernel_build_is_keyed_by_source_and_cpu(monkeypatch):
-    name = cpu_attention.build_name()
-    monkeypatch.setattr(cpu_attention, "_cpu_flags", lambda: "flags : fpu sse2")
-    assert cpu_attention.build_name() != name and cpu_attention.build_name().startswith("cadence_cpu_attention_")
+    name = cpu_kernels.build_name()
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags : fpu sse2")
+    assert cpu_kernels.build_name() != name and cpu_kernels.build_name().startswith("cadence_cpu_kernels_")
 
 
 # ---- prepacked products
@@ -156,3 +156,59 @@ def test_packing_a_model_keeps_its_outputs_and_releases_the_plain_weights(kind):
     torch.testing.assert_close(packed.compute_logits(hidden), plain.compute_logits(hidden), atol=1e-5, rtol=1e-5)
     names = {name for name, _ in packed.named_parameters()}
     assert not any(part in name for name in names for part in ("q_proj", "gate_proj", "lm_head"))
+
+
+# ---- fused elementwise kernels: the same roundings as torch's unfused ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_norm_and_rotary_round_as_the_torch_ops(kernel, dtype):
+    from cadence.gpu.model import RMSNorm, RotaryEmbedding, apply_rotary
+
+    generator = torch.Generator().manual_seed(11)
+    norm = RMSNorm(48, 1e-5, dtype=dtype)
+    norm.weight.data = torch.randn(48, generator=generator).to(dtype)
+    x = torch.randn(33, 48, generator=generator).to(dtype)
+    residual = torch.randn(33, 48, generator=generator).to(dtype)
+    cos, sin = RotaryEmbedding(48, 10000.0, None)(torch.arange(100, 133), dtype)
+    q = torch.randn(33, 5, 48, generator=generator).to(dtype)
+    rotated = q.clone()
+    kernel.rotary(rotated, cos.reshape(33, -1), sin.reshape(33, -1))
+    normed, total = cpu_kernels.rms_norm(x, norm.weight, 1e-5, residual)
+    want_normed, want_total = norm.add_and_norm(x, residual)
+    assert torch.equal(total, want_total)
+    if dtype == torch.bfloat16:  # every intermediate rounds to bfloat16: exactly the same bits
+        assert torch.equal(cpu_kernels.rms_norm(x, norm.weight, 1e-5), norm(x))
+        assert torch.equal(normed, want_normed) and torch.equal(rotated, apply_rotary(q, cos, sin))
+    else:  # float32 differs only in the order of the sums
+        torch.testing.assert_close(cpu_kernels.rms_norm(x, norm.weight, 1e-5), norm(x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(normed, want_normed, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(rotated, apply_rotary(q, cos, sin), atol=1e-5, rtol=1e-5)
+
+
+def test_rope_and_write_kv_normalises_rotates_and_stores(kernel):
+    """The CPU's fused attention prologue against the model's unfused one (query/key
+    norms as Qwen3 has them, a non-contiguous q from the merged projection)."""
+    from cadence.gpu.attention import write_kv
+    from cadence.gpu.model import RotaryEmbedding, apply_rotary
+
+    generator = torch.Generator().manual_seed(12)
+    qkv = torch.randn(7, (4 + 2 + 2) * 16, generator=generator).bfloat16()
+    q, k, v = (t.view(7, -1, 16) for t in qkv.split([64, 32, 32], dim=-1))
+    weights = [torch.randn(16, generator=generator).bfloat16() for _ in range(2)]
+    cos, sin = RotaryEmbedding(16, 10000.0, None)(torch.arange(3, 10), torch.bfloat16)
+    slots = torch.tensor([5, 9, 2, 14, 0, 7, 11])
+    caches = [torch.zeros(4, 4, 2, 16, dtype=torch.bfloat16) for _ in range(4)]
+    got = cpu_kernels.rope_and_write_kv(q, k, v, cos, sin, caches[0], caches[1], slots,
+                                        q_norm_weight=weights[0], k_norm_weight=weights[1], eps=1e-6)
+
+    def norm(x, w):
+        x32 = x.float()
+        return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()
+
+    want_q = apply_rotary(norm(q, weights[0]), cos, sin)
+    want_k = apply_rotary(norm(k, weights[1]), cos, sin)
+    write_kv(caches[2], caches[3], want_k, v, slots)
+    torch.testing.assert_close(got, want_q, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(caches[0], caches[2], atol=1e-2, rtol=1e-2)
+    assert torch.equal(caches[1], caches[3])

@@ -275,10 +275,10 @@ def test_cpu_runs_its_decode_kernel_and_packed_products_by_default():
 
 
 def test_cpu_falls_back_to_sdpa_where_the_kernel_cannot_be_built(monkeypatch):
-    from cadence.gpu import cpu_attention
+    from cadence.gpu import cpu_kernels
 
-    monkeypatch.setattr(cpu_attention, "load", lambda: None)
-    monkeypatch.setattr(cpu_attention, "unavailable_reason", lambda: "no compiler")
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "unavailable_reason", lambda: "no compiler")
     fresh = ModelRunner(preset("tiny"), num_blocks=4, block_size=BLOCK_SIZE, device="cpu")
     assert fresh.backend.name == "sdpa"
     with pytest.raises(ConfigError, match="kernel could not be built .no compiler"):

@@ -1,5 +1,7 @@
-// Decode attention over the paged KV cache for the CPU, reading each block in place.
+// The CPU path's own kernels: decode attention over the paged KV cache reading each
+// block in place, RMSNorm (with the residual add before it) and the rotary embedding.
 //
+// Attention:
 // Tasks are sequences (or, when there are too few to share out, single KV heads),
 // spread over torch's OpenMP threads. A task loads its query heads once, scores
 // every context position against them (each key is read once for its whole group
@@ -131,6 +133,115 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, 
 
 }  // namespace
 
+// Round a float to bfloat16 (nearest, ties to even) and back, as torch's bfloat16 ops store results.
+inline float round_bfloat16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+template <typename scalar_t>
+inline float stored(float x) { return static_cast<float>(static_cast<scalar_t>(x)); }
+
+// RMSNorm of rows of x [rows, dim] scaled by weight [dim], in float32; with `residual`,
+// of residual + x, which is also returned (the next residual). Each intermediate is
+// stored in the tensors' dtype where torch's unfused ops store it, so the results are
+// those of the unfused ops up to the order of the sum of squares.
+template <typename scalar_t>
+void rms_norm_rows(const scalar_t* x, const scalar_t* residual, const scalar_t* weight, scalar_t* out,
+                   scalar_t* total_out, int64_t rows, int64_t dim, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(dim);
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* xr = x + r * dim;
+      if (residual != nullptr) {
+        const scalar_t* rr = residual + r * dim;
+        scalar_t* tr = total_out + r * dim;
+        for (int64_t d = 0; d < dim; ++d) {
+          tr[d] = static_cast<scalar_t>(to_float(xr[d]) + to_float(rr[d]));
+          row[d] = to_float(tr[d]);
+        }
+      } else {
+        load_row(xr, row.data(), dim);
+      }
+      float squares = 0.0f;
+      for (int64_t d = 0; d < dim; ++d) squares += row[d] * row[d];
+      const float inverse = 1.0f / std::sqrt(squares / static_cast<float>(dim) + eps);
+      scalar_t* o = out + r * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        o[d] = static_cast<scalar_t>(to_float(weight[d]) * stored<scalar_t>(row[d] * inverse));
+      }
+    }
+  });
+}
+
+std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
+                                    c10::optional<torch::Tensor> residual) {
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "rms_norm needs contiguous inputs");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight must share a dtype");
+  const int64_t dim = x.size(-1), rows = x.numel() / dim;
+  auto out = torch::empty_like(x);
+  torch::Tensor total;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes() &&
+                residual->scalar_type() == x.scalar_type(), "residual must match x");
+    total = torch::empty_like(x);
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), residual.has_value() ? residual->data_ptr<scalar_t>() : nullptr,
+                            weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                            residual.has_value() ? total.data_ptr<scalar_t>() : nullptr, rows, dim,
+                            static_cast<float>(eps));
+  });
+  if (residual.has_value()) return {out, total};
+  return {out};
+}
+
+// Rotate x [tokens, heads, head_dim] (any strides but a contiguous last dimension) in
+// place by the angles of cos/sin [tokens, head_dim] (rotate-half layout: dimension i
+// pairs with i + head_dim / 2), rounding as torch's x * cos + rotate_half(x) * sin does.
+template <typename scalar_t>
+void rotate_rows(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  const int64_t tokens = x.size(0), heads = x.size(1), half = x.size(2) / 2;
+  const int64_t stride_token = x.stride(0), stride_head = x.stride(1);
+  scalar_t* base = x.data_ptr<scalar_t>();
+  const scalar_t* c = cos.data_ptr<scalar_t>();
+  const scalar_t* s = sin.data_ptr<scalar_t>();
+  const int64_t table = cos.stride(0);
+  at::parallel_for(0, tokens, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const scalar_t* ct = c + t * table;
+      const scalar_t* st = s + t * table;
+      for (int64_t h = 0; h < heads; ++h) {
+        scalar_t* row = base + t * stride_token + h * stride_head;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = to_float(row[i]), b = to_float(row[i + half]);
+          const float first = stored<scalar_t>(stored<scalar_t>(a * to_float(ct[i])) +
+                                               stored<scalar_t>(-b * to_float(st[i])));
+          const float second = stored<scalar_t>(stored<scalar_t>(b * to_float(ct[i + half])) +
+                                                stored<scalar_t>(a * to_float(st[i + half])));
+          row[i] = static_cast<scalar_t>(first);
+          row[i + half] = static_cast<scalar_t>(second);
+        }
+      }
+    }
+  });
+}
+
+void rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary needs x [tokens, heads, head_dim], last dim contiguous");
+  TORCH_CHECK(cos.dim() == 2 && cos.stride(1) == 1 && cos.sizes() == sin.sizes() && cos.strides() == sin.strides(),
+              "cos and sin must be [tokens, head_dim]");
+  TORCH_CHECK(cos.size(0) == x.size(0) && cos.size(1) == x.size(2), "cos and sin must match x");
+  TORCH_CHECK(x.scalar_type() == cos.scalar_type() && cos.scalar_type() == sin.scalar_type(),
+              "x, cos and sin must share a dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, x.scalar_type(), "rotary", [&] {
+    rotate_rows<scalar_t>(x, cos, sin);
+  });
+}
+
 // query [num_seqs, num_heads, head_dim] (one token per sequence); caches
 // [num_blocks, block_size, num_kv_heads, head_dim]; block_tables [num_seqs, width]
 // int32; seq_lens [num_seqs] int32, each >= 1. Returns [num_seqs, num_heads, head_dim].
@@ -157,4 +268,7 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache");
+  m.def("rms_norm", &rms_norm, "RMSNorm of rows, optionally of residual + x",
+        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
+  m.def("rotary", &rotary, "rotary embedding in place, rotate-half layout");
 }

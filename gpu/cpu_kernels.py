@@ -1,0 +1,112 @@
+"""The CPU path's C++ kernels (`cpu_kernels.cpp`), built on first use.
+
+Paged decode attention reads each sequence's keys and values from their cache
+blocks in place and attends for a KV head's whole group of query heads at once,
+in float32. RMSNorm (with the residual add before it) and the rotary embedding
+each run as one kernel instead of torch's chain of elementwise ops, rounding
+where those ops round; `rms_norm`, `silu_and_mul` and `rope_and_write_kv` below
+have the signatures of `cadence.gpu.triton_fused`, so the model's fused branches
+take either module. The extension is compiled with torch's C++ extension builder the first time a
+process asks for it (about a minute; needs a C++ compiler and ninja) and cached
+under torch's extension directory, keyed by the source and this CPU's
+instruction sets, so a process on another kind of CPU builds its own.
+Where it cannot be built, `load` says why and the "cpu" attention backend
+falls back to SDPA over gathered blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+from .attention import write_kv
+
+_log = logging.getLogger("cadence.gpu")
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+# The rotary kernel takes any even head size (the Triton one only powers of two).
+ANY_HEAD_DIM = True
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def build_name() -> str:
+    """The extension's name: the source and the CPU's flags decide it (-march=native)."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + _cpu_flags().encode()).hexdigest()[:12]
+    return f"cadence_cpu_kernels_{digest}"
+
+
+def load():
+    """The compiled kernel module, or None when it cannot be built here (see `unavailable_reason`)."""
+    with _lock:
+        if "module" in _state or "error" in _state:
+            return _state.get("module")
+        try:
+            from torch.utils import cpp_extension
+
+            flags = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+            _state["module"] = cpp_extension.load(
+                name=build_name(), sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                verbose=False)
+        except Exception as exc:  # noqa: BLE001 - any build failure means: fall back, and say why
+            _state["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+            _log.warning("CPU paged attention kernel unavailable (%s); attention gathers blocks for SDPA",
+                         _state["error"])
+            return None
+        return _state["module"]
+
+
+def unavailable_reason() -> str | None:
+    """Why `load` returned None, or None if it has not failed."""
+    return _state.get("error")
+
+
+def _kernels():
+    module = load()
+    if module is None:
+        raise RuntimeError(f"the CPU kernels could not be built: {unavailable_reason()}")
+    return module
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """RMSNorm of the rows of `x` [T, H] scaled by `weight` [H]; with `residual`, of
+    `x + residual`, returning (normalised, x + residual)."""
+    outputs = _kernels().rms_norm(x.contiguous(), weight, eps,
+                                  None if residual is None else residual.contiguous())
+    return outputs[0] if residual is None else tuple(outputs)
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for [T, I] tensors."""
+    return torch.nn.functional.silu(gate).mul_(up)
+
+
+def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor, *, q_norm_weight: torch.Tensor | None = None,
+                      k_norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """Per-head norms (where given), the rotary embedding of q and k, and k, v stored at
+    their cache slots; returns q. q [T, Hq, D], k, v [T, Hkv, D]; cos, sin [T, 1, D]."""
+    kernels = _kernels()
+    if q_norm_weight is not None:
+        q = kernels.rms_norm(q.contiguous(), q_norm_weight, eps, None)[0]
+        k = kernels.rms_norm(k.contiguous(), k_norm_weight, eps, None)[0]
+    q, k = q.contiguous(), k.contiguous()
+    cos, sin = cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1)
+    kernels.rotary(q, cos, sin)
+    kernels.rotary(k, cos, sin)
+    write_kv(k_cache, v_cache, k, v, slot_mapping)
+    return q
