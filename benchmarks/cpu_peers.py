@@ -170,14 +170,12 @@ def _cadence_offline(args):
 
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=PROMPT_LEN + OUTPUT_LEN + 16,
               max_num_seqs=max(args.batches), num_threads=args.threads)
-    info = llm.executor_info() if hasattr(llm, "executor_info") else {}
 
     def generate(batch, max_tokens):
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in batch], params)]
 
-    for record in _timed(generate, args.batches):
-        yield {**record, **info}
+    yield from _timed(generate, args.batches)
     llm.close()
 
 
@@ -529,10 +527,39 @@ def limit(args: argparse.Namespace) -> None:
             per_layer = hidden * (2 * hidden + 2 * kv) + 3 * hidden * inter
             weight_bytes = (layers * per_layer + hidden * vocab) * element  # the embedding table is only indexed
             achieved = weight_bytes / (record["ms_per_token"] / 1e3) / 1e9
+            step_ms = runner_decode_ms(directory, dtype, threads)
             emit(mode="limit", threads=threads, dtype=dtype, bandwidth_gb_s=round(bandwidth, 2),
                  weight_mb_per_token=round(weight_bytes / 1e6, 1), ms_per_token=record["ms_per_token"],
                  read_gb_s=round(achieved, 2), share_of_bandwidth=round(achieved / bandwidth, 3),
-                 path=record.get("path"))
+                 model_step_ms=round(step_ms, 2),
+                 model_share_of_bandwidth=round(weight_bytes / (step_ms / 1e3) / 1e9 / bandwidth, 3))
+
+
+def runner_decode_ms(directory: Path, dtype: str, threads: int) -> float:
+    """Median time of a batch-1 decode step of the model runner alone, driven by the
+    scheduling core in a plain loop (no engine around it)."""
+    from cadence.gpu import ModelRunner
+    from cadence.statemachine.config import CacheConfig, SchedulerConfig
+    from cadence.statemachine.request import Request
+    from cadence.statemachine.sampling import SamplingParams
+    from cadence.statemachine.scheduler import Scheduler
+
+    max_len = PROMPT_LEN + OUTPUT_LEN
+    runner = ModelRunner.from_pretrained(directory, num_blocks=max_len // 16 + 4, device="cpu", dtype=dtype,
+                                         num_threads=threads, max_num_seqs=1, max_model_len=max_len)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=1, max_model_len=max_len),
+                          CacheConfig(num_blocks=runner.num_blocks, block_size=runner.block_size))
+    params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
+    scheduler.add_request(Request("r", prompts(1)[0], params.limits(frozenset())))
+    steps = []
+    while scheduler.has_work():
+        plan = scheduler.schedule()
+        start = time.perf_counter()
+        result = runner.execute(plan, {d.request_id: params for d in plan.new_requests})
+        if plan.total_num_scheduled_tokens == 1:
+            steps.append(time.perf_counter() - start)
+        list(scheduler.update(plan, result))
+    return statistics.median(steps) * 1e3
 
 
 # --------------------------------------------------------------------------- agreement

@@ -53,3 +53,19 @@ def test_cadence_serve_takes_them():
     config = engine_config_from_args(args)
     assert (config.step_timeout_s, config.max_restarts, config.scheduler.max_waiting,
             config.heartbeat_timeout_s) == (3.0, 1, 4, 1.5)
+
+
+def test_threads_and_cpu_path_reach_the_executor_options():
+    assert parse().executor_options == {}
+    config = parse("--threads", "2", "--cpu-path", "eager")
+    assert config.executor_options == {"num_threads": 2, "cpu_path": "eager"}
+    for bad in ("0", "two"):
+        with pytest.raises(ConfigError, match="--threads must be 'auto' or an integer >= 1"):
+            parse("--threads", bad)
+
+
+def test_llm_takes_the_cpu_options_by_name():
+    from cadence.actors.llm import engine_config_from_options
+
+    config = engine_config_from_options(model="demo", num_threads=1, cpu_path="packed")
+    assert config.executor_options == {"num_threads": 1, "cpu_path": "packed"}

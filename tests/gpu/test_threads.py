@@ -81,3 +81,38 @@ def test_the_executor_option_reaches_the_runner():
             in_fresh_thread(lambda: build("lots"))
     finally:
         in_fresh_thread(lambda: torch.set_num_threads(before))
+
+
+def _affinities():
+    import os
+    from cadence.gpu.threads import _thread_ids, pin_compute_threads
+
+    before = _thread_ids()
+    torch.set_num_threads(2)
+    cores = pin_compute_threads(2)
+    own = os.sched_getaffinity(0)
+    team = {tid: os.sched_getaffinity(tid) for tid in _thread_ids() - before}
+    return cores, own, team
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity"), reason="needs Linux thread affinity")
+def test_compute_threads_are_pinned_one_per_core():
+    import os
+
+    usable = sorted(os.sched_getaffinity(0))
+    if len(usable) < 2:
+        pytest.skip(f"pinning two threads needs two usable cores, this process has {len(usable)}")
+    cores, own, team = in_fresh_thread(_affinities)
+    assert cores == tuple(usable[-2:])
+    assert own == {cores[0]}  # the thread that runs the model
+    assert {core for affinity in team.values() for core in affinity} >= {cores[1]}
+    assert all(len(affinity) == 1 for affinity in team.values())
+    assert os.sched_getaffinity(0) == set(usable)  # other threads keep the process's cores
+
+
+def test_more_threads_than_cores_pin_nothing():
+    import os
+    from cadence.gpu.threads import pin_compute_threads
+
+    assert pin_compute_threads(None) is None
+    assert in_fresh_thread(lambda: pin_compute_threads(len(os.sched_getaffinity(0)) + 1)) is None
