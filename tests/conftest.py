@@ -91,3 +91,13 @@ if checkout_problem() is not None:
     use_this_checkout()
     if checkout_problem() is not None:
         raise pytest.UsageError(_STALE_INSTALL)
+
+
+def pytest_sessionstart(session) -> None:
+    """Build the CPU kernels once, before any test times anything: the first CPU model
+    runner of a fresh machine would otherwise compile them inside some test's timeout."""
+    if importlib.util.find_spec("torch") is None:
+        return
+    from cadence.gpu import cpu_kernels
+
+    cpu_kernels.load()
