@@ -169,7 +169,8 @@ def _cadence_offline(args):
     from cadence.actors import LLM, SamplingParams
 
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=PROMPT_LEN + OUTPUT_LEN + 16,
-              max_num_seqs=max(args.batches), num_threads=args.threads)
+              max_num_seqs=max(args.batches), num_threads=args.threads,
+              async_scheduling=args.async_scheduling)
 
     def generate(batch, max_tokens):
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -243,12 +244,14 @@ def offline(args: argparse.Namespace) -> None:
                     order = args.engines[rep % len(args.engines):] + args.engines[:rep % len(args.engines)]
                     for engine in order:
                         argv = ["child-offline", "--engine", engine, "--model", str(directory),
-                                "--dtype", dtype, "--threads", str(threads), "--batches", *batches]
+                                "--dtype", dtype, "--threads", str(threads), "--batches", *batches,
+                                *(["--async-scheduling"] if args.cadence_async and engine == "cadence" else [])]
                         for record in run_child(pythons[engine], argv):
                             emit(mode="offline", engine=engine, dtype=dtype, threads=threads, rep=rep,
-                                 busy=args.busy, **record)
+                                 busy=args.busy, cadence_async=args.cadence_async, **record)
                             figures.setdefault((engine, record["batch"]), []).append(record)
-                _summarise(figures, dtype=dtype, threads=threads, busy=args.busy)
+                _summarise(figures, dtype=dtype, threads=threads, busy=args.busy,
+                           cadence_async=args.cadence_async)
 
 
 def _summarise(figures: dict, **where) -> None:
@@ -286,6 +289,7 @@ class _busy:
 
 def _server_command(engine: str, python: str, directory: Path, dtype: str, threads: int, port: int,
                     extra: list[str]) -> tuple[list[str], dict]:
+    """The command line and environment of one engine's OpenAI server."""
     env = dict(os.environ)
     if engine == "cadence":
         argv = [python, "-m", "cadence.actors.cli", "serve", "--model", str(directory), "--dtype", dtype,
@@ -378,12 +382,12 @@ def _tree_rss_mib(pid: int) -> float:
 
 
 def serve_once(engine: str, python: str, directory: Path, dtype: str, threads: int,
-               concurrency: list[int], num_requests: int) -> list[dict]:
+               concurrency: list[int], num_requests: int, extra: tuple[str, ...] = ()) -> list[dict]:
     """Start one engine's server, measure every concurrency, stop it; one record per figure."""
     import concurrent.futures
 
     port = _free_port()
-    argv, env = _server_command(engine, python, directory, dtype, threads, port, [])
+    argv, env = _server_command(engine, python, directory, dtype, threads, port, list(extra))
     launch = time.perf_counter()
     process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=True)
@@ -465,10 +469,12 @@ def serve(args: argparse.Namespace) -> None:
                 for rep in range(args.reps):
                     order = engines[rep % len(engines):] + engines[:rep % len(engines)]
                     for engine in order:
+                        extra = ("--async-scheduling",) if args.cadence_async and engine == "cadence" else ()
                         for record in serve_once(engine, pythons[engine], Path(directory), dtype, threads,
-                                                 args.concurrency, args.num_requests):
+                                                 args.concurrency, args.num_requests, extra):
                             emit(mode="serve", engine=engine, dtype=dtype, threads=threads, rep=rep,
-                                 busy=args.busy, model=Path(directory).name, **record)
+                                 busy=args.busy, model=Path(directory).name, cadence_async=args.cadence_async,
+                                 **record)
                             key = (record["figure"], record.get("concurrency"))
                             figures.setdefault(key + (engine,), []).append(record)
                 _serve_summary(figures, dtype=dtype, threads=threads, busy=args.busy, model=Path(directory).name)
@@ -615,6 +621,7 @@ def main(argv: list[str] | None = None) -> None:
     common.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     common.add_argument("--reps", type=int, default=3)
     common.add_argument("--busy", type=int, default=0, help="busy-looping processes beside the run")
+    common.add_argument("--cadence-async", action="store_true", help="Cadence with async scheduling")
     off = sub.add_parser("offline", parents=[common])
     off.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     off.add_argument("--engines", nargs="+", default=["cadence", "vllm"], choices=ENGINES)
@@ -633,6 +640,7 @@ def main(argv: list[str] | None = None) -> None:
     child.add_argument("--dtype", required=True)
     child.add_argument("--threads", type=int, required=True)
     child.add_argument("--batches", type=int, nargs="+", required=True)
+    child.add_argument("--async-scheduling", action="store_true")
     tok = sub.add_parser("child-tokens")
     tok.add_argument("--engine", choices=("cadence", "hf"), required=True)
     tok.add_argument("--model", required=True)
