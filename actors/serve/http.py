@@ -82,6 +82,8 @@ class HttpConfig:
     api_key: the Bearer token every /v1/ request must carry (None: no auth).
     max_body_bytes: largest request body (a larger one is answered 413).
     served_model_name: the model id clients name (default: the engine's model).
+    strict_fields: refuse a request field this server does not know (400 naming
+      it) instead of ignoring it and logging its name once.
     The connection limits and timeouts are the msgpack server's: its
     `max_connections`, `handshake_timeout_s` (to send a whole request),
     `idle_timeout_s` (between requests on a kept-alive connection) and
@@ -93,6 +95,7 @@ class HttpConfig:
     api_key: str | None = attrs.field(default=None, repr=False)
     max_body_bytes: int = attrs.field(default=DEFAULT_MAX_BODY_BYTES, validator=_positive)
     served_model_name: str | None = None
+    strict_fields: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
@@ -199,6 +202,7 @@ class HttpServer:
         self._none_live = trio.Event()  # set when `live` empties (see wait_released)
         self.chat = server.chat
         self.token_text = _token_text_function(self.engine.tokenizer)
+        self.ignored_fields: set[str] = set()  # unknown request fields already logged
         self._num_requests = 0
         self._created = int(time.time())
 
@@ -655,6 +659,9 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
                        help="read the API key from this file")
     group.add_argument("--served-model-name", default=None,
                        help="the model id clients name (default: --model)")
+    group.add_argument("--strict-fields", action="store_true",
+                       help="refuse request fields this server does not know (default: ignore "
+                            "them, logging each name once)")
     group.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                        help="largest HTTP request body (default: %(default)s)")
 
@@ -669,7 +676,8 @@ def http_config_from_args(args: argparse.Namespace) -> HttpConfig | None:
         port = 0 if args.port == 0 else DEFAULT_HTTP_PORT
     return HttpConfig(host=args.host, port=port, api_key=_read_api_key(args),
                       max_body_bytes=args.max_body_bytes,
-                      served_model_name=args.served_model_name or args.model)
+                      served_model_name=args.served_model_name or args.model,
+                      strict_fields=args.strict_fields)
 
 
 def _read_api_key(args: argparse.Namespace) -> str | None:

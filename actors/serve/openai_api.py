@@ -12,6 +12,8 @@ The transport lives in http.py.
 from __future__ import annotations
 
 import json
+import logging
+import re
 import time
 import uuid
 from typing import Any, Callable
@@ -39,6 +41,9 @@ MAX_CHOICES = 128
 # JSON has no -inf: a token the sampler could never pick reports this logprob.
 MIN_LOGPROB = -9999.0
 _NULL = b"null"
+# An ignored field's name is logged up to this many characters.
+MAX_LOGGED_NAME_CHARS = 64
+_log = logging.getLogger("cadence.http")
 # The most alternatives per token SamplingParams allows.
 MAX_TOP_LOGPROBS = 20
 
@@ -55,12 +60,18 @@ _STATUS_OF_CODE = {
     ErrorCode.ENGINE_CLOSED: 503, ErrorCode.EXECUTOR_ERROR: 500, ErrorCode.INTERNAL: 500,
 }
 
+# vLLM's spellings of a structured output: each maps onto one StructuredOutput.
+_VLLM_STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                    "structured_outputs")
+_STRUCTURED_FIELDS = ("response_format", "regex", "grammar", *_VLLM_STRUCTURED)
+
+
 _SAMPLING_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                     "repetition_penalty")
 _COMMON_FIELDS = frozenset({
     "model", "stream", "stream_options", "max_tokens", "n", "stop", "seed", "logprobs", "user",
     "top_k", "priority", "tenant", "deadline_s", "min_tokens", "ignore_eos", "stop_token_ids",
-    "include_stop_str_in_output", "best_of", "return_token_ids", "response_format", "regex", "grammar",
+    "include_stop_str_in_output", "best_of", "return_token_ids", *_STRUCTURED_FIELDS,
     *_SAMPLING_FLOATS})
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs",
@@ -147,13 +158,7 @@ async def parse_request(body: object, chat: bool, http) -> ApiRequest:
     thread (`Front.run_sized`)."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the body must be a JSON object, got {kind(body)}")
-    allowed = _CHAT_FIELDS if chat else _COMPLETION_FIELDS
-    for name, value in body.items():
-        if name in allowed or value is None:
-            continue
-        if name in _UNSUPPORTED:
-            raise ApiError(400, f"{name} is not supported by this server", param=name)
-        raise ApiError(400, f"unknown field {name!r}", param=name)
+    _check_names(body, _CHAT_FIELDS if chat else _COMPLETION_FIELDS, http)
     model = _field(body, "model", check_str)
     if model is not None and model != http.model_name:
         raise ApiError(404, f"the model {model!r} does not exist; this server serves "
@@ -191,6 +196,23 @@ async def parse_request(body: object, chat: bool, http) -> ApiRequest:
         tenant=tenant if tenant is not None else "default",
         deadline_s=_field(body, "deadline_s", check_finite_float),
         return_token_ids=bool(_field(body, "return_token_ids", check_bool)))
+
+
+def _check_names(body: dict, allowed: frozenset, http) -> None:
+    """Fields this server does not know are ignored and logged once per name, as
+    vLLM does (SDKs add fields from version to version); with strict_fields they
+    are refused, naming the field."""
+    for name, value in body.items():
+        if name in allowed or value is None:
+            continue
+        if http.config.strict_fields:
+            if name in _UNSUPPORTED:
+                raise ApiError(400, f"{name} is not supported by this server", param=name)
+            raise ApiError(400, f"unknown field {name!r}", param=name)
+        if name not in http.ignored_fields:
+            http.ignored_fields.add(name)
+            _log.warning("the request field %r is not supported and is ignored (logged once per "
+                         "field name; --strict-fields refuses it)", name[:MAX_LOGGED_NAME_CHARS])
 
 
 def _completion_prompts(prompt: object) -> list:
@@ -277,21 +299,53 @@ def _sampling_params(body: dict, chat: bool, prompts: list, logprobs: int | None
 
 
 def _structured_output(body: dict) -> StructuredOutput | None:
-    """OpenAI's `response_format` ({"type": "text" | "json_object" | "json_schema"}), or
-    Cadence's `regex` / `grammar` (a string each): at most one of them."""
-    given = [name for name in ("response_format", "regex", "grammar") if body.get(name) is not None]
+    """OpenAI's `response_format` ({"type": "text" | "json_object" | "json_schema"}),
+    Cadence's `regex` / `grammar` (a string each), or vLLM's `guided_json`,
+    `guided_regex`, `guided_choice`, `guided_grammar` and `structured_outputs`
+    ({"json" | "regex" | "choice" | "grammar" | "json_object": ...}): at most one."""
+    given = [name for name in _STRUCTURED_FIELDS if body.get(name) is not None]
     if len(given) > 1:
-        raise ApiError(400, f"only one of response_format, regex and grammar may be given, got "
+        raise ApiError(400, f"only one structured output may be given, got "
                             f"{' and '.join(given)}", param=given[1])
     if not given:
         return None
     name = given[0]
     try:
-        if name != "response_format":
-            return StructuredOutput(name, check_str(body[name], name))
-        return _response_format(check_dict(body[name], name))
+        return _structured_field(name, body[name])
     except (ProtocolError, InvalidRequestError) as exc:
         raise ApiError(400, str(exc), param=name) from None
+
+
+def _structured_field(name: str, value: object) -> StructuredOutput | None:
+    if name == "response_format":
+        return _response_format(check_dict(value, name))
+    if name == "structured_outputs":
+        inner = {key: item for key, item in check_dict(value, name).items()
+                 if item is not None and item is not False}
+        if len(inner) != 1:
+            raise InvalidRequestError(f"structured_outputs must hold exactly one of json, regex, "
+                                      f"choice, grammar and json_object, got {sorted(inner)}")
+        (key, item), = inner.items()
+        if key == "json_object":
+            return StructuredOutput("json_object")
+        if key not in ("json", "regex", "choice", "grammar"):
+            raise InvalidRequestError(f"structured_outputs.{key} is not supported by this server")
+        return _structured_field(f"guided_{key}", item)
+    if name == "guided_json":
+        return StructuredOutput.json_schema(value if isinstance(value, str) else check_dict(value, name))
+    if name == "guided_choice":
+        choices = check_strs(value, name)
+        if not choices:
+            raise InvalidRequestError(f"{name} must be a non-empty list of strings")
+        return StructuredOutput("regex", "|".join(f"({_literal(choice)})" for choice in choices))
+    kind = {"guided_regex": "regex", "guided_grammar": "grammar"}.get(name, name)
+    return StructuredOutput(kind, check_str(value, name))
+
+
+def _literal(text: str) -> str:
+    """A regular expression matching exactly `text` (only metacharacters escaped,
+    which every regex dialect reads alike)."""
+    return re.sub(r"([.^$*+?{}\[\]\\|()])", r"\\\1", text)
 
 
 def _response_format(value: dict) -> StructuredOutput | None:
