@@ -39,6 +39,7 @@ from .openai_api import (
     POISON_STATUS, ApiError, ApiRequest, Choice, ChunkEncoder, completion_body, parse_request,
     status_of, usage_of,
 )
+from .tools import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
 from .server import Server, _engine_error_code, _StreamState, read_secret_file, tokens_match
 
 __all__ = ["DEFAULT_HTTP_PORT", "HttpConfig", "HttpServer", "serve_http", "add_http_arguments",
@@ -74,6 +75,11 @@ def _positive(instance, attribute, value) -> None:
         raise ConfigError(f"{attribute.name} must be > 0, got {value!r}")
 
 
+def _tool_call_parser(instance, attribute, value) -> None:
+    if value not in TOOL_CALL_PARSERS:
+        raise ConfigError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {value!r}")
+
+
 @attrs.frozen
 class HttpConfig:
     """Where the HTTP API listens and what it asks of clients.
@@ -82,6 +88,8 @@ class HttpConfig:
     api_key: the Bearer token every /v1/ request must carry (None: no auth).
     max_body_bytes: largest request body (a larger one is answered 413).
     served_model_name: the model id clients name (default: the engine's model).
+    tool_call_parser: how tool calls are read out of an "auto" answer: "tags"
+      (JSON in <tool_call> tags) or "json" (the answer is the call); see tools.py.
     strict_fields: refuse a request field this server does not know (400 naming
       it) instead of ignoring it and logging its name once.
     The connection limits and timeouts are the msgpack server's: its
@@ -96,6 +104,7 @@ class HttpConfig:
     max_body_bytes: int = attrs.field(default=DEFAULT_MAX_BODY_BYTES, validator=_positive)
     served_model_name: str | None = None
     strict_fields: bool = False
+    tool_call_parser: str = attrs.field(default=DEFAULT_TOOL_CALL_PARSER, validator=_tool_call_parser)
 
     def __attrs_post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
@@ -662,6 +671,9 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--strict-fields", action="store_true",
                        help="refuse request fields this server does not know (default: ignore "
                             "them, logging each name once)")
+    group.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=DEFAULT_TOOL_CALL_PARSER,
+                       help='how tool calls are read out of a tool_choice "auto" answer: JSON in '
+                            "<tool_call> tags, or the whole answer as JSON (default: %(default)s)")
     group.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                        help="largest HTTP request body (default: %(default)s)")
 
@@ -677,7 +689,7 @@ def http_config_from_args(args: argparse.Namespace) -> HttpConfig | None:
     return HttpConfig(host=args.host, port=port, api_key=_read_api_key(args),
                       max_body_bytes=args.max_body_bytes,
                       served_model_name=args.served_model_name or args.model,
-                      strict_fields=args.strict_fields)
+                      strict_fields=args.strict_fields, tool_call_parser=args.tool_call_parser)
 
 
 def _read_api_key(args: argparse.Namespace) -> str | None:

@@ -30,6 +30,7 @@ from ..fields import (
 )
 from ..wire import MAX_ID, MAX_TENANT_CHARS, ErrorCode
 from .server import _StreamState
+from .tools import ToolCallStream, ToolChoice, parse_tool_choice, template_messages
 
 __all__ = ["ApiError", "ApiRequest", "Choice", "parse_request", "status_of",
            "usage_of", "ChunkEncoder", "completion_body"]
@@ -75,11 +76,12 @@ _COMMON_FIELDS = frozenset({
     *_SAMPLING_FLOATS})
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs",
-                                 "add_generation_prompt", "chat_template_kwargs"}
-# OpenAI fields Cadence does not implement: named in the 400 rather than ignored.
-_UNSUPPORTED = frozenset({"suffix", "logit_bias", "tools", "tool_choice",
-                          "functions", "function_call", "parallel_tool_calls", "service_tier",
-                          "store", "modalities", "audio", "prediction", "reasoning_effort"})
+                                 "add_generation_prompt", "chat_template_kwargs", "tools", "tool_choice",
+                                 "parallel_tool_calls"}
+# OpenAI fields Cadence does not implement and whose loss would change the answer:
+# refused (a 400 naming them) even where unknown fields are ignored.
+_UNSUPPORTED = frozenset({"suffix", "logit_bias", "functions", "function_call", "modalities", "audio",
+                          "prediction"})
 
 
 class ApiError(Exception):
@@ -133,6 +135,8 @@ class ApiRequest:
     deadline_s: float | None = None
     # Cadence's extension: each choice (and chunk) carries its token ids too.
     return_token_ids: bool = False
+    # A chat's tools and tool_choice (None: no tool calls are read from the answer).
+    tools: ToolChoice | None = None
 
     def params_for(self, sample: int) -> SamplingParams:
         """The parameters of the `sample`-th of n choices: seeded choices differ."""
@@ -164,8 +168,9 @@ async def parse_request(body: object, chat: bool, http) -> ApiRequest:
         raise ApiError(404, f"the model {model!r} does not exist; this server serves "
                             f"{http.model_name!r}", param="model", code="model_not_found")
     engine: Engine = http.engine
+    tools = _tool_choice(body, http) if chat else None
     if chat:
-        prompts = [await _chat_prompt(body, http)]
+        prompts = [await _chat_prompt(body, http, tools)]
     else:
         prompts = _completion_prompts(body.get("prompt"))
     n = _field(body, "n", check_int, 1, MAX_CHOICES) or 1
@@ -183,6 +188,12 @@ async def parse_request(body: object, chat: bool, http) -> ApiRequest:
     logprobs = _logprobs(body, chat)
     echo = bool(_field(body, "echo", check_bool))
     params = _sampling_params(body, chat, prompts, logprobs, engine)
+    if tools is not None and tools.forced:
+        if params.structured_output is not None:
+            raise ApiError(400, f"tool_choice {tools.choice!r} constrains the answer to a tool call; "
+                                "it cannot be combined with another structured output",
+                           param="tool_choice")
+        params = attrs.evolve(params, structured_output=tools.structured_output())
     if echo and logprobs is not None:
         # The echoed prompt's tokens carry their logprobs too, as OpenAI's do.
         params = attrs.evolve(params, prompt_logprobs=logprobs)
@@ -195,19 +206,28 @@ async def parse_request(body: object, chat: bool, http) -> ApiRequest:
         priority=_field(body, "priority", check_int, -MAX_ID - 1, MAX_ID) or 0,
         tenant=tenant if tenant is not None else "default",
         deadline_s=_field(body, "deadline_s", check_finite_float),
-        return_token_ids=bool(_field(body, "return_token_ids", check_bool)))
+        return_token_ids=bool(_field(body, "return_token_ids", check_bool)), tools=tools)
+
+
+def _tool_choice(body: dict, http) -> ToolChoice | None:
+    try:
+        return parse_tool_choice(body.get("tools"), body.get("tool_choice"),
+                                 body.get("parallel_tool_calls"), http.config.tool_call_parser)
+    except InvalidRequestError as exc:
+        raise ApiError(400, str(exc), param=getattr(exc, "field", "tools")) from None
 
 
 def _check_names(body: dict, allowed: frozenset, http) -> None:
     """Fields this server does not know are ignored and logged once per name, as
     vLLM does (SDKs add fields from version to version); with strict_fields they
-    are refused, naming the field."""
+    are refused, naming the field. OpenAI fields that would change the answer
+    and are not implemented (`_UNSUPPORTED`) are refused either way."""
     for name, value in body.items():
         if name in allowed or value is None:
             continue
+        if name in _UNSUPPORTED:
+            raise ApiError(400, f"{name} is not supported by this server", param=name)
         if http.config.strict_fields:
-            if name in _UNSUPPORTED:
-                raise ApiError(400, f"{name} is not supported by this server", param=name)
             raise ApiError(400, f"unknown field {name!r}", param=name)
         if name not in http.ignored_fields:
             http.ignored_fields.add(name)
@@ -231,11 +251,13 @@ def _completion_prompts(prompt: object) -> list:
         raise ApiError(400, str(exc), param="prompt") from None
 
 
-async def _chat_prompt(body: dict, http) -> list[int]:
-    """A chat's messages rendered with the model's template, as token ids."""
+async def _chat_prompt(body: dict, http, tools: ToolChoice | None) -> list[int]:
+    """A chat's messages (and tools) rendered with the model's template, as token ids."""
     add_generation_prompt = _field(body, "add_generation_prompt", check_bool)
     variables = _field(body, "chat_template_kwargs", check_dict) or {}
-    messages = body.get("messages")
+    if tools is not None:
+        variables = {**variables, "tools": tools.tools}
+    messages = template_messages(body.get("messages"))
     try:
         return await http.server.run_sized(
             text_size(messages) + text_size(variables), http.chat.prompt_ids, messages,
@@ -393,6 +415,8 @@ class Choice:
     finish_reason: str | None = None
     error: Exception | None = None
     text_offset: int = 0
+    # Reads tool calls out of the text when the request has tools.
+    tool_stream: ToolCallStream | None = None
 
     def add(self, out, whole: bool) -> None:
         """Take one engine delta; `whole`: keep its text, tokens and logprobs for a
@@ -430,6 +454,12 @@ class Choice:
         text = out.text or ""
         if not text and out.finish_reason is None and not out.token_ids:
             return None
+        if request.tools is not None:
+            entry = self.delta(request, out, token_text)
+            if not entry["delta"] and entry["finish_reason"] is None and entry["logprobs"] is None \
+                    and not request.return_token_ids:
+                return None
+            return json.dumps(entry, separators=(",", ":")).encode("utf-8")
         if request.logprobs is None and not request.return_token_ids:
             reason = _NULL if out.finish_reason is None else json.dumps(out.finish_reason).encode()
             if request.chat:
@@ -447,7 +477,10 @@ class Choice:
         if request.logprobs is not None and out.logprobs is not None:
             logprobs = self._render_logprobs(request, list(zip(out.token_ids, out.logprobs)),
                                              token_text)
-        if request.chat:
+        if request.tools is not None:
+            entry = {"index": self.index, "delta": self._tool_delta(request, text, out.finish_reason),
+                     "logprobs": logprobs, "finish_reason": self._finish_reason(out.finish_reason)}
+        elif request.chat:
             entry = {"index": self.index, "delta": {"content": text} if text else {},
                      "logprobs": logprobs, "finish_reason": out.finish_reason}
         else:
@@ -469,7 +502,12 @@ class Choice:
             logprobs = self._render_logprobs(request, self.logprobs, http.token_text)
             if echoed is not None:
                 logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
-        if request.chat:
+        if request.tools is not None:
+            message = {"role": "assistant", **self._tool_delta(request, text, self.finish_reason)}
+            message.setdefault("content", None)
+            whole = {"index": self.index, "message": message, "logprobs": logprobs,
+                     "finish_reason": self._finish_reason(self.finish_reason)}
+        elif request.chat:
             whole = {"index": self.index, "message": {"role": "assistant", "content": text},
                      "logprobs": logprobs, "finish_reason": self.finish_reason}
         else:
@@ -480,6 +518,30 @@ class Choice:
         if request.return_token_ids:
             whole["token_ids"] = self.token_ids
         return whole
+
+    def _tool_delta(self, request: ApiRequest, text: str, finish_reason: str | None) -> dict:
+        """The message (or delta) fields of `text` read for tool calls: its content
+        and the calls it completed, numbered in the order the choice made them."""
+        if self.tool_stream is None:
+            self.tool_stream = ToolCallStream(request.tools)
+        content, calls = self.tool_stream.feed(text)
+        if finish_reason is not None:
+            rest, more = self.tool_stream.finish()
+            content, calls = content + rest, calls + more
+        fields: dict = {}
+        if content and (content.strip() or not self.tool_stream.calls):
+            fields["content"] = content
+        if calls:
+            first = len(self.tool_stream.calls) - len(calls)
+            fields["tool_calls"] = [call.body(first + i if request.stream else None)
+                                    for i, call in enumerate(calls)]
+        return fields
+
+    def _finish_reason(self, finish_reason: str | None) -> str | None:
+        """"tool_calls" for an answer that ended by itself after making calls."""
+        if finish_reason == "stop" and self.tool_stream is not None and self.tool_stream.calls:
+            return "tool_calls"
+        return finish_reason
 
     def _prompt_logprobs(self, request: ApiRequest, http) -> dict:
         """The echoed prompt's tokens in OpenAI's completion logprobs shape, offsets

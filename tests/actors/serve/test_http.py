@@ -247,14 +247,15 @@ def test_unknown_fields_are_ignored_and_logged_once_per_name(client, caplog):
                                     for name in extra)
 
 
-async def test_strict_fields_refuse_an_unknown_field_naming_it():
+async def test_strict_fields_refuse_an_unknown_field_and_an_answer_changing_one_is_always_refused():
     from types import SimpleNamespace
 
     from cadence.actors.serve.openai_api import ApiError, parse_request
 
-    http = SimpleNamespace(config=HttpConfig(strict_fields=True), ignored_fields=set(), model_name=MODEL)
-    for name, message in (("temprature", "unknown field 'temprature'"),
-                          ("store", "store is not supported by this server")):
+    for strict, name, message in ((True, "temprature", "unknown field 'temprature'"),
+                                  (True, "logit_bias", "logit_bias is not supported by this server"),
+                                  (False, "logit_bias", "logit_bias is not supported by this server")):
+        http = SimpleNamespace(config=HttpConfig(strict_fields=strict), ignored_fields=set(), model_name=MODEL)
         with pytest.raises(ApiError) as caught:
             await parse_request({"prompt": PROMPT, name: 1}, False, http)
         assert (caught.value.status, caught.value.param, caught.value.message) == (400, name, message)
