@@ -26,7 +26,7 @@ import attrs
 from cadence.statemachine.errors import ConfigError, InvalidRequestError
 
 __all__ = ["CHAT_TEMPLATE_FILE", "ChatTemplate", "ChatTemplateError", "EngineChat", "check_messages",
-           "encode_rendered", "text_size"]
+           "encode_rendered", "encode_text", "text_size"]
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -197,8 +197,13 @@ class ChatTemplate:
 def encode_rendered(tokenizer, text: str) -> list[int]:
     """Token ids of a rendered conversation: the template wrote its special tokens,
     so the tokenizer adds none of its own."""
+    return encode_text(tokenizer, text, add_special_tokens=False)
+
+
+def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of `text`, with or without the tokenizer's own special tokens."""
     try:
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
     except TypeError:  # a tokenizer that never adds any (the byte tokenizer)
         return list(tokenizer.encode(text))
 

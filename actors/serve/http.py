@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API, served from the same engine as the msgpack protocol.
 
     POST /v1/completions, POST /v1/chat/completions   (JSON, or server-sent events)
-    GET /v1/models, /health, /metrics, /version
+    POST /tokenize, /detokenize                        (vLLM's shapes)
+    GET /v1/models, /v1/models/{id}, /health, /metrics, /version   (and HEAD)
+    OPTIONS (CORS preflight for --allowed-origins)
 
 `cadence serve` runs it beside the msgpack listener (`--http-port`, default
 8000). It is an `HttpServer` bound to the msgpack `Server`: the same engine,
@@ -24,6 +26,7 @@ import logging
 import math
 import os
 import time
+import urllib.parse
 from http import HTTPStatus
 from importlib import metadata
 from typing import Callable
@@ -36,8 +39,8 @@ from cadence.statemachine.errors import CadenceError, ConfigError, PoisonRequest
 
 from ..wire import ErrorCode
 from .openai_api import (
-    POISON_STATUS, ApiError, ApiRequest, Choice, ChunkEncoder, completion_body, parse_request,
-    status_of, usage_of,
+    POISON_STATUS, ApiError, ApiRequest, Choice, ChunkEncoder, completion_body, detokenize, parse_request,
+    status_of, tokenize, usage_of,
 )
 from .tools import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
 from .server import Server, _engine_error_code, _StreamState, read_secret_file, tokens_match
@@ -61,6 +64,10 @@ _WATCHDOG_CHECKS = 4
 _JSON = [(b"content-type", b"application/json")]
 _EVENT_STREAM = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 _GENERATION_PATHS = {"/v1/completions": False, "/v1/chat/completions": True}
+_TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize"})
+_ALLOWED_METHODS = b"GET, HEAD, POST, OPTIONS"
+# How long a browser may keep a CORS preflight's answer.
+CORS_MAX_AGE_S = 600
 # Health statuses of a server that takes no requests (GET /health answers 503).
 _NOT_SERVING = frozenset({"draining", "closed"})
 
@@ -90,6 +97,7 @@ class HttpConfig:
     served_model_name: the model id clients name (default: the engine's model).
     tool_call_parser: how tool calls are read out of an "auto" answer: "tags"
       (JSON in <tool_call> tags) or "json" (the answer is the call); see tools.py.
+    allowed_origins: origins whose browser pages may call the API (CORS; "*" any).
     strict_fields: refuse a request field this server does not know (400 naming
       it) instead of ignoring it and logging its name once.
     The connection limits and timeouts are the msgpack server's: its
@@ -104,6 +112,7 @@ class HttpConfig:
     max_body_bytes: int = attrs.field(default=DEFAULT_MAX_BODY_BYTES, validator=_positive)
     served_model_name: str | None = None
     strict_fields: bool = False
+    allowed_origins: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     tool_call_parser: str = attrs.field(default=DEFAULT_TOOL_CALL_PARSER, validator=_tool_call_parser)
 
     def __attrs_post_init__(self) -> None:
@@ -132,6 +141,10 @@ class _Exchange:
         # cancels `scope`, closing the connection, if one lasts send_timeout_s.
         self.send_started_s: float | None = None
         self.scope = trio.CancelScope()
+        # The response in progress answers HEAD (its head only) and carries these
+        # headers too (CORS).
+        self.head_only = False
+        self.response_headers: list = []
 
     async def next_event(self):
         """The next h11 event, reading from the socket as needed."""
@@ -144,7 +157,17 @@ class _Exchange:
 
     async def send(self, *events) -> None:
         """Write h11 events; raises _ClientGone if the client is gone."""
-        await self.send_bytes(b"".join(self.conn.send(event) for event in events))
+        await self.send_bytes(b"".join(self.conn.send(event) for event in map(self._finish, events)
+                                       if event is not None))
+
+    def _finish(self, event):
+        """A response head with the exchange's extra headers; no body for HEAD."""
+        if isinstance(event, h11.Response) and self.response_headers:
+            return h11.Response(status_code=event.status_code, reason=event.reason,
+                                headers=[*event.headers, *self.response_headers])
+        if self.head_only and isinstance(event, h11.Data):
+            return None
+        return event
 
     async def send_bytes(self, data: bytes) -> None:
         """Write bytes already framed; raises _ClientGone if the client is gone."""
@@ -329,24 +352,28 @@ class HttpServer:
 
     async def _respond(self, exchange: _Exchange, method: str, path: str, headers: dict,
                        body: bytes) -> None:
+        exchange.head_only = method == "HEAD"
+        exchange.response_headers = self._cors_headers(headers)
+        if method == "HEAD":
+            method = "GET"  # answered as GET, without the body
         try:
-            if path.startswith("/v1/"):
+            if method == "OPTIONS":
+                await self._preflight(exchange, headers)
+                return
+            if path.startswith("/v1/") or path in _TOKENIZER_PATHS:
                 self._authenticate(headers)
             if path in _GENERATION_PATHS:
                 _allow(method, "POST")
                 await self._generate(exchange, body, chat=_GENERATION_PATHS[path])
-            elif path == "/v1/models":
+            elif path.startswith("/v1/models/"):
                 _allow(method, "GET")
-                await exchange.send_json(200, self._models())
-            elif path == "/health":
+                await exchange.send_json(200, self._model(path[len("/v1/models/"):]))
+            elif path in _TOKENIZER_PATHS:
+                _allow(method, "POST")
+                await self._tokenizer_route(exchange, path, body)
+            elif path in _GET_ROUTES:
                 _allow(method, "GET")
-                await self._health(exchange)
-            elif path == "/metrics":
-                _allow(method, "GET")
-                await self._metrics(exchange)
-            elif path == "/version":
-                _allow(method, "GET")
-                await exchange.send_json(200, {"version": _version()})
+                await _GET_ROUTES[path](self, exchange)
             else:
                 raise ApiError(404, f"no route {path}", code="not_found")
         except ApiError as error:
@@ -363,13 +390,68 @@ class HttpServer:
             raise ApiError(401, "missing or wrong API key (send Authorization: Bearer KEY)",
                            code="invalid_api_key")
 
+    def _cors_headers(self, headers: dict) -> list:
+        """The CORS headers of a response to a request from an allowed origin."""
+        origin = headers.get(b"origin")
+        allowed = self.config.allowed_origins
+        if origin is None or not allowed:
+            return []
+        if "*" in allowed:
+            return [(b"access-control-allow-origin", b"*")]
+        if origin.decode("latin-1") in allowed:
+            return [(b"access-control-allow-origin", origin), (b"vary", b"origin")]
+        return []
+
+    async def _preflight(self, exchange: _Exchange, headers: dict) -> None:
+        """OPTIONS: the methods this server takes, and for an allowed origin's CORS
+        preflight the methods and headers it may send (no key needed, as browsers
+        send none with a preflight)."""
+        extra = [(b"allow", _ALLOWED_METHODS)]
+        if exchange.response_headers:
+            requested = headers.get(b"access-control-request-headers", b"authorization, content-type")
+            extra += [(b"access-control-allow-methods", _ALLOWED_METHODS),
+                      (b"access-control-allow-headers", requested),
+                      (b"access-control-max-age", str(CORS_MAX_AGE_S).encode())]
+        await exchange.send(_response(204, extra), h11.EndOfMessage())
+
     # ---- small endpoints ---------------------------------------------------------
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "cadence",
+                "root": self.engine.config.model, "max_model_len": self.engine.core.config.max_model_len,
+                "vocab_size": self.engine.vocab_size}
+
     def _models(self) -> dict:
-        return {"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self._created, "owned_by": "cadence",
-            "root": self.engine.config.model, "max_model_len": self.engine.core.config.max_model_len,
-            "vocab_size": self.engine.vocab_size,
-        }]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    def _model(self, model_id: str) -> dict:
+        """GET /v1/models/{id}: the served model's card, or 404."""
+        model_id = urllib.parse.unquote(model_id)
+        if model_id != self.model_name:
+            raise ApiError(404, f"the model {model_id[:200]!r} does not exist; this server serves "
+                                f"{self.model_name!r}", param="model", code="model_not_found")
+        return self._model_card()
+
+    async def _tokenizer_route(self, exchange: _Exchange, path: str, body: bytes) -> None:
+        """POST /tokenize (a prompt or a chat's messages to token ids) and /detokenize
+        (token ids to text), in vLLM's shapes."""
+        payload = await self._json_body(body)
+        if path == "/tokenize":
+            answer = await tokenize(payload, self)
+        else:
+            answer = detokenize(payload, self)
+        await exchange.send_json(200, answer)
+
+    async def _json_body(self, body: bytes) -> object:
+        try:
+            return await self.server.run_sized(len(body), json.loads, body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the body is not JSON: {exc}") from None
+
+    async def _list_models(self, exchange: _Exchange) -> None:
+        await exchange.send_json(200, self._models())
+
+    async def _version_route(self, exchange: _Exchange) -> None:
+        await exchange.send_json(200, {"version": _version()})
 
     async def _health(self, exchange: _Exchange) -> None:
         reply = self.server.health(0)
@@ -393,10 +475,7 @@ class HttpServer:
 
     # ---- generation --------------------------------------------------------------
     async def _generate(self, exchange: _Exchange, body: bytes, chat: bool) -> None:
-        try:
-            payload = await self.server.run_sized(len(body), json.loads, body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"the body is not JSON: {exc}") from None
+        payload = await self._json_body(body)
         request = await parse_request(payload, chat, self)
         choices = self._admit(request)
         # Cancelled when the client goes away: every choice's stream is then
@@ -598,6 +677,10 @@ class HttpServer:
         await exchange.send(h11.EndOfMessage())
 
 
+_GET_ROUTES = {"/v1/models": HttpServer._list_models, "/health": HttpServer._health,
+               "/metrics": HttpServer._metrics, "/version": HttpServer._version_route}
+
+
 def _response(status: int, headers: list) -> h11.Response:
     try:
         reason = HTTPStatus(status).phrase.encode()
@@ -674,6 +757,9 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=DEFAULT_TOOL_CALL_PARSER,
                        help='how tool calls are read out of a tool_choice "auto" answer: JSON in '
                             "<tool_call> tags, or the whole answer as JSON (default: %(default)s)")
+    group.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                       help='origins allowed to call the API from a browser (CORS): a JSON list, as '
+                            'vLLM takes it (\'["*"]\'), or comma-separated (default: none)')
     group.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                        help="largest HTTP request body (default: %(default)s)")
 
@@ -689,7 +775,23 @@ def http_config_from_args(args: argparse.Namespace) -> HttpConfig | None:
     return HttpConfig(host=args.host, port=port, api_key=_read_api_key(args),
                       max_body_bytes=args.max_body_bytes,
                       served_model_name=args.served_model_name or args.model,
-                      strict_fields=args.strict_fields, tool_call_parser=args.tool_call_parser)
+                      strict_fields=args.strict_fields, tool_call_parser=args.tool_call_parser,
+                      allowed_origins=_origins(args.allowed_origins))
+
+
+def _origins(value: str | None) -> tuple[str, ...]:
+    """--allowed-origins: a JSON list of strings, or comma-separated origins."""
+    if not value:
+        return ()
+    if value.lstrip().startswith("["):
+        try:
+            origins = json.loads(value)
+        except ValueError as exc:
+            raise ConfigError(f"--allowed-origins is not a JSON list: {exc}") from None
+        if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
+            raise ConfigError("--allowed-origins must be a list of strings")
+        return tuple(origins)
+    return tuple(origin.strip() for origin in value.split(",") if origin.strip())
 
 
 def _read_api_key(args: argparse.Namespace) -> str | None:

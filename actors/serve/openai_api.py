@@ -23,7 +23,7 @@ import attrs
 from cadence.statemachine.errors import InvalidRequestError, ProtocolError
 from cadence.statemachine.sampling import SamplingParams, StructuredOutput
 
-from ..chat import text_size
+from ..chat import encode_text, text_size
 from ..engine import Engine, RequestStream
 from ..fields import (
     check_bool, check_dict, check_finite_float, check_ids, check_int, check_str, check_strs, kind,
@@ -33,7 +33,7 @@ from .server import _StreamState
 from .tools import ToolCallStream, ToolChoice, parse_tool_choice, template_messages
 
 __all__ = ["ApiError", "ApiRequest", "Choice", "parse_request", "status_of",
-           "usage_of", "ChunkEncoder", "completion_body"]
+           "usage_of", "ChunkEncoder", "completion_body", "tokenize", "detokenize"]
 
 # OpenAI's default when a completion names no max_tokens.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -163,10 +163,7 @@ async def parse_request(body: object, chat: bool, http) -> ApiRequest:
     if not isinstance(body, dict):
         raise ApiError(400, f"the body must be a JSON object, got {kind(body)}")
     _check_names(body, _CHAT_FIELDS if chat else _COMPLETION_FIELDS, http)
-    model = _field(body, "model", check_str)
-    if model is not None and model != http.model_name:
-        raise ApiError(404, f"the model {model!r} does not exist; this server serves "
-                            f"{http.model_name!r}", param="model", code="model_not_found")
+    _check_model(body, http)
     engine: Engine = http.engine
     tools = _tool_choice(body, http) if chat else None
     if chat:
@@ -233,6 +230,63 @@ def _check_names(body: dict, allowed: frozenset, http) -> None:
             http.ignored_fields.add(name)
             _log.warning("the request field %r is not supported and is ignored (logged once per "
                          "field name; --strict-fields refuses it)", name[:MAX_LOGGED_NAME_CHARS])
+
+
+_TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                              "chat_template_kwargs", "tools", "return_token_strs"})
+
+
+async def tokenize(body: object, http) -> dict:
+    """POST /tokenize, as vLLM answers it: a `prompt`'s token ids (with the
+    tokenizer's special tokens unless `add_special_tokens` is false), or a chat's
+    `messages` rendered with the template (and `tools`), as a chat request would be."""
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the body must be a JSON object, got {kind(body)}")
+    _check_names(body, _TOKENIZE_FIELDS, http)
+    _check_model(body, http)
+    tokenizer = http.engine.tokenizer
+    if tokenizer is None:
+        raise ApiError(400, f"the model {http.model_name!r} has no tokenizer")
+    if body.get("messages") is not None:
+        tools = _tool_choice(body, http)
+        ids = await _chat_prompt(body, http, tools)
+    else:
+        prompt = _field(body, "prompt", check_str)
+        if prompt is None:
+            raise ApiError(400, "tokenize needs a prompt (a string) or messages", param="prompt")
+        special = _field(body, "add_special_tokens", check_bool)
+        ids = await http.server.run_sized(len(prompt), encode_text, tokenizer, prompt, special is not False)
+    answer = {"count": len(ids), "max_model_len": http.engine.core.config.max_model_len, "tokens": ids}
+    if _field(body, "return_token_strs", check_bool):
+        answer["token_strs"] = [http.token_text(token_id) for token_id in ids]
+    return answer
+
+
+def detokenize(body: object, http) -> dict:
+    """POST /detokenize: the text of `tokens` (ids), as vLLM answers it."""
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the body must be a JSON object, got {kind(body)}")
+    _check_names(body, frozenset({"model", "tokens"}), http)
+    _check_model(body, http)
+    tokens = _field(body, "tokens", check_ids)
+    if tokens is None:
+        raise ApiError(400, "detokenize needs tokens (a list of token ids)", param="tokens")
+    vocab_size = http.engine.vocab_size
+    for index, token_id in enumerate(tokens):
+        if not 0 <= token_id < vocab_size:
+            raise ApiError(400, f"tokens[{index}] is {token_id}; token ids are in [0, {vocab_size})",
+                           param="tokens")
+    tokenizer = http.engine.tokenizer
+    if tokenizer is None:
+        raise ApiError(400, f"the model {http.model_name!r} has no tokenizer")
+    return {"prompt": tokenizer.decode(tokens)}
+
+
+def _check_model(body: dict, http) -> None:
+    model = _field(body, "model", check_str)
+    if model is not None and model != http.model_name:
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                            f"{http.model_name!r}", param="model", code="model_not_found")
 
 
 def _completion_prompts(prompt: object) -> list:
