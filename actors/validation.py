@@ -138,6 +138,16 @@ def _check_params(params: SamplingParams, limits: RequestLimits) -> None:
         if wanted is not None and wanted > vocab:
             raise InvalidRequestError(f"{field} must be at most vocab_size={vocab}, got {wanted}")
     check_token_ids("stop_token_ids", params.stop_token_ids, vocab)
+    check_token_ids("logit_bias", [token for token, _ in params.logit_bias], vocab)
+    check_token_ids("allowed_token_ids", params.allowed_token_ids or (), vocab)
+    for word in params.bad_words_token_ids:
+        check_token_ids("bad_words_token_ids", word, vocab)
+    if params.n != 1:
+        raise InvalidRequestError(f"n is {params.n}; one engine request is one sample (LLM.generate "
+                                  f"and the HTTP API run n samples as a request group)")
+    if params.bad_words and not limits.has_tokenizer:
+        raise InvalidRequestError("bad_words need a tokenizer; this engine has none (send "
+                                  "bad_words_token_ids instead)")
     stops = params.stop
     if not stops:
         return

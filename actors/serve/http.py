@@ -37,6 +37,7 @@ import trio
 
 from cadence.statemachine.errors import CadenceError, ConfigError, PoisonRequestError
 
+from ..detokenizer import token_text_function
 from ..wire import ErrorCode
 from .openai_api import (
     POISON_STATUS, ApiError, ApiRequest, Choice, ChunkEncoder, completion_body, detokenize, parse_request,
@@ -233,7 +234,7 @@ class HttpServer:
         self.live: dict[str, Choice] = {}  # by request id, from admission to release
         self._none_live = trio.Event()  # set when `live` empties (see wait_released)
         self.chat = server.chat
-        self.token_text = _token_text_function(self.engine.tokenizer)
+        self.token_text = token_text_function(self.engine.tokenizer)
         self.ignored_fields: set[str] = set()  # unknown request fields already logged
         self._num_requests = 0
         self._created = int(time.time())
@@ -712,17 +713,6 @@ def _raise_first_error(choices: list[Choice], draining: bool) -> None:
 def _allow(method: str, allowed: str) -> None:
     if method != allowed:
         raise ApiError(405, f"method {method} is not allowed here; use {allowed}", code="method_not_allowed")
-
-
-def _token_text_function(tokenizer) -> Callable[[int], str]:
-    """The text of one token id, special tokens spelled out (for logprobs)."""
-    if tokenizer is None:
-        return lambda token_id: f"token_id:{token_id}"
-    try:
-        tokenizer.decode([0], skip_special_tokens=False)
-    except TypeError:
-        return lambda token_id: tokenizer.decode([token_id])
-    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 async def serve_http(server: Server, config: HttpConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> None:

@@ -69,7 +69,10 @@ _STRUCTURED_FIELDS = ("response_format", "regex", "grammar", *_VLLM_STRUCTURED)
 
 _SAMPLING_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                     "repetition_penalty")
-_COMMON_FIELDS = frozenset({
+# vLLM's sampling fields passed to SamplingParams as they are (it checks them).
+_VLLM_SAMPLING = ("logit_bias", "allowed_token_ids", "bad_words", "skip_special_tokens",
+                  "truncate_prompt_tokens")
+_COMMON_FIELDS = frozenset({*_VLLM_SAMPLING, 
     "model", "stream", "stream_options", "max_tokens", "n", "stop", "seed", "logprobs", "user",
     "top_k", "priority", "tenant", "deadline_s", "min_tokens", "ignore_eos", "stop_token_ids",
     "include_stop_str_in_output", "best_of", "return_token_ids", *_STRUCTURED_FIELDS,
@@ -80,7 +83,7 @@ _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logpr
                                  "parallel_tool_calls"}
 # OpenAI fields Cadence does not implement and whose loss would change the answer:
 # refused (a 400 naming them) even where unknown fields are ignored.
-_UNSUPPORTED = frozenset({"suffix", "logit_bias", "functions", "function_call", "modalities", "audio",
+_UNSUPPORTED = frozenset({"suffix", "functions", "function_call", "modalities", "audio",
                           "prediction"})
 
 
@@ -363,6 +366,9 @@ def _sampling_params(body: dict, chat: bool, prompts: list, logprobs: int | None
         value = _field(body, name, check, *args)
         if value is not None:
             fields[name] = value
+    for name in _VLLM_SAMPLING:
+        if body.get(name) is not None:
+            fields[name] = body[name]
     fields["logprobs"] = logprobs
     fields["structured_output"] = _structured_output(body)
     try:

@@ -253,8 +253,8 @@ async def test_strict_fields_refuse_an_unknown_field_and_an_answer_changing_one_
     from cadence.actors.serve.openai_api import ApiError, parse_request
 
     for strict, name, message in ((True, "temprature", "unknown field 'temprature'"),
-                                  (True, "logit_bias", "logit_bias is not supported by this server"),
-                                  (False, "logit_bias", "logit_bias is not supported by this server")):
+                                  (True, "suffix", "suffix is not supported by this server"),
+                                  (False, "suffix", "suffix is not supported by this server")):
         http = SimpleNamespace(config=HttpConfig(strict_fields=strict), ignored_fields=set(), model_name=MODEL)
         with pytest.raises(ApiError) as caught:
             await parse_request({"prompt": PROMPT, name: 1}, False, http)

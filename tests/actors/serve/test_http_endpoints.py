@@ -186,3 +186,21 @@ def test_allowed_origins_option_takes_vllms_json_list_or_commas():
         assert http_config_from_args(args).allowed_origins == origins
     with pytest.raises(ConfigError, match="--allowed-origins"):
         http_config_from_args(parser.parse_args(["--allowed-origins", '["a", 1]']))
+
+
+def test_vllm_sampling_fields_reach_the_sampler(served):
+    host, port = served.server.http.address
+    tokenizer = _tokenizer()
+    favourite = tokenizer.encode("q", add_special_tokens=False)[0]
+    allowed = tokenizer.encode("xyz", add_special_tokens=False)
+    with openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key=API_KEY, max_retries=0) as client:
+        biased = client.completions.create(model="demo", prompt="def ", max_tokens=4, temperature=0,
+                                           logit_bias={str(favourite): 100})
+        assert biased.choices[0].text == "q" * 4
+        limited = client.completions.create(model="demo", prompt="def ", max_tokens=8, temperature=1.0,
+                                            seed=0, extra_body={"allowed_token_ids": allowed})
+        assert set(limited.choices[0].text) <= set("xyz")
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model="demo", prompt="def ", max_tokens=2,
+                                      extra_body={"truncate_prompt_tokens": 0})
+        assert caught.value.body["param"] == "truncate_prompt_tokens"
