@@ -22,10 +22,10 @@ from typing import Sequence, Union
 import attrs
 
 from cadence.statemachine.errors import ConfigError, InvalidRequestError, RequestTooLongError
-from cadence.statemachine.sampling import MAX_INT64, SamplingParams
+from cadence.statemachine.sampling import MAX_INT64, MAX_LOGPROBS, SamplingParams
 
 __all__ = [
-    "Prompt", "RequestLimits", "validate_request", "check_token_ids", "check_prompt_bytes",
+    "Prompt", "RequestLimits", "REQUEST_LIMIT_NAMES", "validate_request", "check_token_ids", "check_prompt_bytes",
     "check_prompt_num_bytes",
     "DEFAULT_MAX_STOP_STRINGS", "DEFAULT_MAX_STOP_CHARS", "MAX_TENANT_CHARS",
     "MAX_CACHE_SALT_CHARS",
@@ -44,6 +44,10 @@ Prompt = Union[str, Sequence[int]]
 def _at_least_one(instance, attribute, value) -> None:
     if value is not None and value < 1:
         raise ConfigError(f"{attribute.name} must be >= 1 (or None), got {value!r}")
+
+
+# The request limits Welcome.limits reports, beside the connection limits.
+REQUEST_LIMIT_NAMES = ("max_stop_strings", "max_stop_chars", "max_logprobs")
 
 
 @attrs.frozen
@@ -73,6 +77,10 @@ class RequestLimits:
         if self.max_bytes_per_token is None:
             return None
         return (self.max_model_len - 1) * self.max_bytes_per_token
+
+    def welcome_limits(self) -> dict[str, int | None]:
+        """The request limits a server reports in Welcome.limits (PROTOCOL.md §5.1)."""
+        return dict(zip(REQUEST_LIMIT_NAMES, (self.max_stop_strings, self.max_stop_chars, MAX_LOGPROBS)))
 
     @classmethod
     def from_welcome(cls, welcome) -> RequestLimits:

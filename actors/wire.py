@@ -205,7 +205,9 @@ def _sampling_values(value: object, path: str) -> dict[str, Any]:
             fields[name] = _bool(item, where)
         elif name == "stop":
             # A bare str is one stop string, as in the embedded API.
-            fields[name] = item if type(item) is str else _strs(item, where)
+            fields[name] = item if type(item) is str or item is None else _strs(item, where)
+        elif name == "stop_token_ids":
+            fields[name] = _optional(_int_array, item, where)  # nil is none, as in vLLM
         elif name == "bad_words":
             fields[name] = _strs(item, where)
         elif name == "logit_bias":

@@ -298,7 +298,7 @@ class Server(Front):
             server=SERVER_NAME, model=engine.config.model, vocab_size=engine.vocab_size,
             max_model_len=engine.core.config.max_model_len, block_size=engine.core.blocks.block_size,
             eos_token_ids=sorted(engine.eos_token_ids), has_tokenizer=engine.tokenizer is not None,
-            limits=self.config.limits())
+            limits={**self.config.limits(), **engine.request_limits.welcome_limits()})
 
 
 class _ServerConnection(Connection):
