@@ -25,7 +25,7 @@ from cadence.statemachine.errors import ConfigError, InvalidRequestError, Reques
 from cadence.statemachine.sampling import MAX_INT64, MAX_LOGPROBS, SamplingParams
 
 __all__ = [
-    "Prompt", "RequestLimits", "REQUEST_LIMIT_NAMES", "validate_request", "check_token_ids", "check_prompt_bytes",
+    "Prompt", "RequestLimits", "REQUEST_LIMIT_NAMES", "validate_request", "plural", "check_token_ids", "check_prompt_bytes",
     "check_prompt_num_bytes",
     "DEFAULT_MAX_STOP_STRINGS", "DEFAULT_MAX_STOP_CHARS", "MAX_TENANT_CHARS",
     "MAX_CACHE_SALT_CHARS",
@@ -198,11 +198,16 @@ def _finite(value: object) -> bool:
         return False
 
 
+def plural(count: int, noun: str) -> str:
+    """"1 token", "2 tokens": a count as a message says it."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
 def _check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
     total = num_prompt_tokens + max_tokens
     if total > max_model_len:
         raise RequestTooLongError(
-            f"prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}, {total} in "
+            f"prompt has {plural(num_prompt_tokens, 'token')} and max_tokens is {max_tokens}, {total} in "
             f"all; max_model_len is {max_model_len}")
 
 

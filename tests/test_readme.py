@@ -59,3 +59,12 @@ def test_ci_runs_the_readme_test_command():
     torch, editable = install.removeprefix("pip install ").split(" ", 1)
     assert f"python -m pip install -q {torch}\n" in ci and f"python -m pip install -q {editable}\n" in ci
     assert f"\n{run}\n" in ci
+
+
+def test_the_readme_says_which_way_in_simulates():
+    from cadence.actors import cli
+
+    sentence = " ".join(README[README.index("Every way in"):].split(").")[0].split())
+    assert "but `cadence demo`" in sentence and "simulated executor" in sentence
+    (demo,) = [action.choices["demo"] for action in cli.build_parser()._subparsers._group_actions]
+    assert "simulated executor" in demo.description  # what the README says is what it runs

@@ -508,10 +508,14 @@ class ServerThread:
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `serve` subcommand to an argparse subparsers object."""
+    from .http import DEFAULT_HTTP_PORT  # it builds on this module
+
     parser = subparsers.add_parser(
-        "serve", help="serve an engine over TCP and/or a Unix socket",
-        description="Serve an engine to clients speaking the msgpack protocol of PROTOCOL.md. "
-                    "Listens on 127.0.0.1 unless --host says otherwise. SIGINT or SIGTERM "
+        "serve", help="serve an engine: the msgpack protocol and the OpenAI-compatible HTTP API",
+        description="Serve an engine to clients speaking the msgpack protocol of PROTOCOL.md "
+                    f"(--port, default {DEFAULT_PORT}) and to OpenAI-API clients over HTTP "
+                    f"(--http-port, default {DEFAULT_HTTP_PORT}: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
+                    "...). Listens on 127.0.0.1 unless --host says otherwise. SIGINT or SIGTERM "
                     "drains: running requests get --shutdown-grace-s to finish; a second "
                     "signal aborts them at once.")
     add_engine_arguments(parser)

@@ -254,3 +254,10 @@ async def test_an_executor_reporting_an_eos_id_outside_its_vocabulary_is_refused
     with pytest.raises(ExecutorError, match=r"eos_token_ids\[0\].*vocab_size=10"):
         async with open_engine(EngineConfig(executor=backend, tokenizer=None)):
             pass
+
+
+def test_counts_in_messages_agree_in_number():
+    with pytest.raises(RequestTooLongError, match="^prompt has 1 token and max_tokens is 64, 65 in all"):
+        validate_request([1], SamplingParams(max_tokens=64), LIMITS)
+    with pytest.raises(RequestTooLongError, match="^prompt has 2 tokens and"):
+        validate_request([1, 2], SamplingParams(max_tokens=63), LIMITS)
