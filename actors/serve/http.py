@@ -50,6 +50,7 @@ __all__ = ["DEFAULT_HTTP_PORT", "HttpConfig", "HttpServer", "serve_http", "add_h
            "http_config_from_args"]
 
 _log = logging.getLogger("cadence.http")
+_access_log = logging.getLogger("cadence.http.access")
 
 DEFAULT_HTTP_PORT = 8000
 # Largest request head (request line and headers) and body accepted.
@@ -146,6 +147,7 @@ class _Exchange:
         # headers too (CORS).
         self.head_only = False
         self.response_headers: list = []
+        self.status: int | None = None  # of the response in progress, once its head is sent
 
     async def next_event(self):
         """The next h11 event, reading from the socket as needed."""
@@ -163,6 +165,8 @@ class _Exchange:
 
     def _finish(self, event):
         """A response head with the exchange's extra headers; no body for HEAD."""
+        if isinstance(event, h11.Response):
+            self.status = event.status_code
         if isinstance(event, h11.Response) and self.response_headers:
             return h11.Response(status_code=event.status_code, reason=event.reason,
                                 headers=[*event.headers, *self.response_headers])
@@ -353,6 +357,17 @@ class HttpServer:
 
     async def _respond(self, exchange: _Exchange, method: str, path: str, headers: dict,
                        body: bytes) -> None:
+        started_s = trio.current_time()
+        exchange.status = None
+        try:
+            await self._route(exchange, method, path, headers, body)
+        finally:
+            # One line per request (logger cadence.http.access): what, its answer, how long.
+            _access_log.info("%s %s %s %.3f s", method, path[:200], exchange.status or "-",
+                             trio.current_time() - started_s)
+
+    async def _route(self, exchange: _Exchange, method: str, path: str, headers: dict,
+                     body: bytes) -> None:
         exchange.head_only = method == "HEAD"
         exchange.response_headers = self._cors_headers(headers)
         if method == "HEAD":

@@ -204,3 +204,14 @@ def test_vllm_sampling_fields_reach_the_sampler(served):
             client.completions.create(model="demo", prompt="def ", max_tokens=2,
                                       extra_body={"truncate_prompt_tokens": 0})
         assert caught.value.body["param"] == "truncate_prompt_tokens"
+
+
+def test_each_request_gets_one_access_log_line(web, caplog):
+    with caplog.at_level("INFO", logger="cadence.http.access"):
+        web.get("/health")
+        web.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=AUTH)
+        web.get("/nowhere")
+    lines = [record.getMessage() for record in caplog.records if record.name == "cadence.http.access"]
+    assert [line.rsplit(" ", 2)[0] for line in lines] == [
+        "GET /health 200", "POST /v1/completions 200", "GET /nowhere 404"]
+    assert all(float(line.split()[-2]) >= 0 for line in lines)
