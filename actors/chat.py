@@ -26,7 +26,7 @@ import attrs
 from cadence.statemachine.errors import ConfigError, InvalidRequestError
 
 __all__ = ["CHAT_TEMPLATE_FILE", "ChatTemplate", "ChatTemplateError", "EngineChat", "check_messages",
-           "encode_rendered", "encode_text", "text_size"]
+           "encode_rendered", "encode_text", "template_messages", "text_size"]
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -109,6 +109,32 @@ def check_messages(messages: object, path: str = "messages") -> list[dict]:
         if content is not None and not isinstance(content, (str, list)):
             raise InvalidRequestError(f"{path}[{index}].content must be a string or a list of parts")
     return messages  # type: ignore[return-value]
+
+
+def template_messages(messages: object) -> object:
+    """The conversation as templates expect it: an assistant's tool call arguments
+    (JSON text in OpenAI's shape) as objects, as Hugging Face templates read them.
+    Other messages pass unchanged."""
+    if not isinstance(messages, list):
+        return messages
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if isinstance(calls, list):
+            message = {**message, "tool_calls": [_template_call(call) for call in calls]}
+        out.append(message)
+    return out
+
+
+def _template_call(call: object) -> object:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def text_size(value: object) -> int:
@@ -237,5 +263,6 @@ class EngineChat:
                 "tokenizer_config.json's chat_template); send a prompt instead")
         if self.tokenizer is None:
             raise ChatTemplateError(f"chat needs a tokenizer; the model {self.model!r} has none")
-        text = template.render(messages, add_generation_prompt=add_generation_prompt, **variables)
+        text = template.render(template_messages(messages), add_generation_prompt=add_generation_prompt,
+                               **variables)
         return encode_rendered(self.tokenizer, text)

@@ -30,7 +30,7 @@ from ..fields import (
 )
 from ..wire import MAX_ID, MAX_TENANT_CHARS, ErrorCode
 from .server import _StreamState
-from .tools import ToolCallStream, ToolChoice, parse_tool_choice, template_messages
+from .tools import ToolCallStream, ToolChoice, parse_tool_choice
 
 __all__ = ["ApiError", "ApiRequest", "Choice", "parse_request", "status_of",
            "usage_of", "ChunkEncoder", "completion_body", "tokenize", "detokenize"]
@@ -314,7 +314,7 @@ async def _chat_prompt(body: dict, http, tools: ToolChoice | None) -> list[int]:
     variables = _field(body, "chat_template_kwargs", check_dict) or {}
     if tools is not None:
         variables = {**variables, "tools": tools.tools}
-    messages = template_messages(body.get("messages"))
+    messages = body.get("messages")
     try:
         return await http.server.run_sized(
             text_size(messages) + text_size(variables), http.chat.prompt_ids, messages,

@@ -29,7 +29,7 @@ from cadence.statemachine.errors import InvalidRequestError
 from cadence.statemachine.sampling import StructuredOutput
 
 __all__ = ["TOOL_CALL_PARSERS", "DEFAULT_TOOL_CALL_PARSER", "ToolCall", "ToolChoice",
-           "ToolCallStream", "parse_tool_choice", "template_messages"]
+           "ToolCallStream", "parse_tool_choice"]
 
 TOOL_CALL_PARSERS = ("tags", "json")
 DEFAULT_TOOL_CALL_PARSER = "tags"
@@ -141,31 +141,6 @@ def parse_tool_choice(tools: object, tool_choice: object, parallel: object,
     choice = _check_choice("auto" if tool_choice is None else tool_choice,
                            [tool["function"]["name"] for tool in tools])
     return ToolChoice(tools=tools, choice=choice, parallel=parallel is not False, parser=parser)
-
-
-def template_messages(messages: object) -> object:
-    """The conversation as templates expect it: an assistant's tool call arguments
-    (JSON text in OpenAI's shape) as objects. Other messages pass unchanged."""
-    if not isinstance(messages, list):
-        return messages
-    out = []
-    for message in messages:
-        calls = message.get("tool_calls") if isinstance(message, dict) else None
-        if isinstance(calls, list):
-            message = {**message, "tool_calls": [_template_call(call) for call in calls]}
-        out.append(message)
-    return out
-
-
-def _template_call(call: object) -> object:
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
-        return call
-    try:
-        arguments = json.loads(function["arguments"])
-    except ValueError:
-        return call
-    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _call_of(value: object, *, arguments_key: str = "arguments") -> ToolCall | None:

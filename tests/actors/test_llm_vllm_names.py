@@ -22,7 +22,7 @@ PROMPT = "def "
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(model="demo", tokenizer="demo", max_model_len=256, seed=0, enforce_eager=True,
+    with LLM(model="demo", tokenizer="demo", max_model_len=512, seed=0, enforce_eager=True,
              trust_remote_code=True) as llm:
         yield llm
 
@@ -137,3 +137,19 @@ def test_a_vllm_script_runs_with_only_its_import_changed(capsys):
     assert len(stops) == 2 and stops[0].split()[-1] in ("'('", "':'")
     assert stops[1].split()[-1].isdigit()
     assert sum(line.startswith("steered ") for line in out) == 4
+
+
+def test_chat_renders_tools_and_tool_call_turns(llm):
+    from cadence.actors.chat import ChatTemplate
+
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "1 + 2?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    (result,) = llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False, tools=tools)
+    rendered = ChatTemplate.from_dir(demo_model_dir()).render(
+        [messages[0], {**messages[1], "tool_calls": [{"function": {"name": "add", "arguments": {"a": 1}}}]},
+         messages[2]], tools=tools)
+    assert '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>' in rendered
+    assert result.prompt_token_ids == llm.get_tokenizer().encode(rendered, add_special_tokens=False)

@@ -13,11 +13,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cadence.actors.chat import ChatTemplate
+from cadence.actors.chat import ChatTemplate, template_messages
 from cadence.actors.engine import EngineConfig, demo_model_dir
 from cadence.actors.serve.http import HttpConfig
 from cadence.actors.serve.server import ServerConfig, ServerThread
-from cadence.actors.serve.tools import ToolCallStream, parse_tool_choice, template_messages
+from cadence.actors.serve.tools import ToolCallStream, parse_tool_choice
 from cadence.gpu.tokenizer import Tokenizer
 from cadence.statemachine.errors import InvalidRequestError
 
