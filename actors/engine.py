@@ -484,7 +484,7 @@ class Engine:
     async def prepare_structured_output(self, params: SamplingParams | None) -> None:
         """Compile the structured output of `params` in a worker thread, unless it is
         compiled already; a request with these parameters then compiles nothing.
-        Raises StructuredOutputError naming the field ("response_format", "regex" or
+        Raises StructuredOutputError naming the field ("structured_output", "regex" or
         "grammar") and the grammar library's reason."""
         structured = None if params is None else params.structured_output
         if structured is None:

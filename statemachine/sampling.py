@@ -169,8 +169,9 @@ class StructuredOutput:
     the schema as JSON text), "regex" (`spec` is a regular expression the whole
     output matches) or "grammar" (`spec` is an EBNF grammar whose start rule is
     `root`). Once the text is complete, only end-of-sequence may follow, so the
-    request ends with finish_reason "stop". The field that carries it in a request
-    (`field`) names it in errors: "response_format" for JSON, else the kind.
+    request ends with finish_reason "stop". Errors name it by `field`:
+    "structured_output" (the SamplingParams and msgpack field) for JSON, else the
+    kind; the HTTP API names its own field instead (`response_format`, ...).
     """
 
     kind: str
@@ -192,8 +193,8 @@ class StructuredOutput:
 
     @property
     def field(self) -> str:
-        """The request field that holds this constraint: "response_format", "regex" or "grammar"."""
-        return "response_format" if self.kind.startswith("json") else self.kind
+        """What errors about this constraint name: "structured_output", "regex" or "grammar"."""
+        return "structured_output" if self.kind.startswith("json") else self.kind
 
     @classmethod
     def json_schema(cls, schema: Mapping | str) -> StructuredOutput:
@@ -204,13 +205,13 @@ class StructuredOutput:
             try:
                 schema = json.loads(schema)
             except ValueError as exc:
-                raise InvalidRequestError(f"response_format: the schema is not JSON: {exc}") from None
+                raise InvalidRequestError(f"structured_output: the schema is not JSON: {exc}") from None
         if not isinstance(schema, Mapping):
-            raise _refuse("response_format", "a JSON schema object", schema)
+            raise _refuse("structured_output", "a JSON schema object", schema)
         try:
             text = json.dumps(schema, separators=(",", ":"), allow_nan=False)
         except (TypeError, ValueError) as exc:
-            raise InvalidRequestError(f"response_format: the schema is not JSON: {exc}") from None
+            raise InvalidRequestError(f"structured_output: the schema is not JSON: {exc}") from None
         return cls("json_schema", text)
 
 

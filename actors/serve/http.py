@@ -35,13 +35,13 @@ import attrs
 import h11
 import trio
 
-from cadence.statemachine.errors import CadenceError, ConfigError, PoisonRequestError
+from cadence.statemachine.errors import CadenceError, ConfigError, PoisonRequestError, StructuredOutputError
 
 from ..detokenizer import token_text_function
 from ..wire import ErrorCode
 from .openai_api import (
-    POISON_STATUS, ApiError, ApiRequest, Choice, ChunkEncoder, completion_body, detokenize, parse_request,
-    status_of, tokenize, usage_of,
+    POISON_STATUS, ApiError, ApiRequest, Choice, ChunkEncoder, completion_body, detokenize,
+    http_structured_message, parse_request, status_of, tokenize, usage_of,
 )
 from .tools import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
 from .server import Server, _engine_error_code, _StreamState, read_secret_file, tokens_match
@@ -572,7 +572,7 @@ class HttpServer:
         except CadenceError as exc:
             code = _engine_error_code(exc, self.server.draining)
             self._reject(code.value)
-            raise _api_error(exc, self.server.draining) from None
+            raise _api_error(exc, self.server.draining, request) from None
 
     async def _admitted(self, request: ApiRequest, choice: Choice) -> None:
         await choice.stream.start()
@@ -709,12 +709,16 @@ def _event(body: dict) -> bytes:
     return b"data: " + json.dumps(body, separators=(",", ":")).encode("utf-8") + b"\n\n"
 
 
-def _api_error(exc: CadenceError, draining: bool) -> ApiError:
+def _api_error(exc: CadenceError, draining: bool, request: ApiRequest | None = None) -> ApiError:
     """An engine error as an HTTP error, classified as the msgpack server classifies it
-    (a poison keeps the msgpack code and carries the flag, see ApiError)."""
+    (a poison keeps the msgpack code and carries the flag, see ApiError); a structured
+    output the library refuses names the request's own field."""
     code = _engine_error_code(exc, draining)
     if isinstance(exc, PoisonRequestError):
         return ApiError(POISON_STATUS, str(exc), code=code.value, poison=True)
+    if isinstance(exc, StructuredOutputError) and request is not None and request.structured_field:
+        name = request.structured_field
+        return ApiError(status_of(code), http_structured_message(str(exc), name), code=code.value, param=name)
     param = "prompt" if code is ErrorCode.REQUEST_TOO_LONG else getattr(exc, "field", None)
     return ApiError(status_of(code), str(exc), code=code.value, param=param)
 

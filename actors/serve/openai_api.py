@@ -140,6 +140,8 @@ class ApiRequest:
     return_token_ids: bool = False
     # A chat's tools and tool_choice (None: no tool calls are read from the answer).
     tools: ToolChoice | None = None
+    # The field that holds the structured output, named in its errors (None: none).
+    structured_field: str | None = None
 
     def params_for(self, sample: int) -> SamplingParams:
         """The parameters of the `sample`-th of n choices: seeded choices differ."""
@@ -206,7 +208,8 @@ async def parse_request(body: object, chat: bool, http) -> ApiRequest:
         priority=_field(body, "priority", check_int, -MAX_ID - 1, MAX_ID) or 0,
         tenant=tenant if tenant is not None else "default",
         deadline_s=_field(body, "deadline_s", check_finite_float),
-        return_token_ids=bool(_field(body, "return_token_ids", check_bool)), tools=tools)
+        return_token_ids=bool(_field(body, "return_token_ids", check_bool)), tools=tools,
+        structured_field="tool_choice" if tools is not None and tools.forced else structured_field(body))
 
 
 def _tool_choice(body: dict, http) -> ToolChoice | None:
@@ -395,7 +398,19 @@ def _structured_output(body: dict) -> StructuredOutput | None:
     try:
         return _structured_field(name, body[name])
     except (ProtocolError, InvalidRequestError) as exc:
-        raise ApiError(400, str(exc), param=name) from None
+        raise ApiError(400, http_structured_message(str(exc), name), param=name) from None
+
+
+def structured_field(body: dict) -> str | None:
+    """The request field that holds its structured output (None: none given)."""
+    return next((name for name in _STRUCTURED_FIELDS if body.get(name) is not None), None)
+
+
+def http_structured_message(message: str, name: str) -> str:
+    """An engine message about a JSON structured output names `structured_output`,
+    the engine's field: over HTTP it names the field the request used."""
+    prefix = "structured_output"
+    return name + message[len(prefix):] if message.startswith(prefix) else message
 
 
 def _structured_field(name: str, value: object) -> StructuredOutput | None:

@@ -105,7 +105,9 @@ def test_vllm_structured_output_spellings_are_followed(client, body, obeys):
 
 @pytest.mark.parametrize("body, param, reason", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
-     "response_format", 'Unsupported type "objectx"'),
+     "response_format", 'response_format: invalid JSON schema: Unsupported type "objectx"'),
+    ({"guided_json": {"type": "objectx"}}, "guided_json", 'guided_json: invalid JSON schema'),
+    ({"guided_json": "{not json"}, "guided_json", "guided_json: the schema is not JSON"),
     ({"regex": "(["}, "regex", "Unclosed '['"),
     ({"grammar": "root ::= missing"}, "grammar", 'Rule "missing" is not defined'),
     ({"response_format": {"type": "yaml"}}, "response_format", "must be text, json_object or json_schema"),
