@@ -45,7 +45,7 @@ from .simulated import LatencyModel, SimulatedExecutor
 from .structured import DEFAULT_GRAMMAR_CACHE_SIZE, GrammarCompiler, compiler_for
 from .trace import TraceRecorder
 from .validation import (
-    DEFAULT_MAX_STOP_CHARS, DEFAULT_MAX_STOP_STRINGS, Prompt, RequestLimits, check_token_ids,
+    DEFAULT_MAX_STOP_CHARS, DEFAULT_MAX_STOP_STRINGS, Prompt, RequestLimits, check_fits, check_token_ids,
     validate_request,
 )
 from .unwrap import unwrap_sole_error
@@ -578,6 +578,10 @@ class Engine:
                 self.grammar_compiler(params.structured_output).compile(params.structured_output)
         if token_ids is None:
             token_ids = self._encode(prompt) if isinstance(prompt, str) else list(prompt)
+        # Refused here with the counts (the core would refuse it too, naming its request id).
+        core = self.core
+        check_fits(len(token_ids), params.max_tokens or 1, core.config.max_model_len,
+                   core.cache_config.num_blocks * core.blocks.block_size)
         # max_tokens=None: whatever room max_model_len leaves (at least one, so that a prompt
         # that fills it is refused by the core with the lengths named).
         params = params.bounded(max(1, self.core.config.max_model_len - len(token_ids)))

@@ -25,7 +25,7 @@ from cadence.statemachine.errors import ConfigError, InvalidRequestError, Reques
 from cadence.statemachine.sampling import MAX_INT64, MAX_LOGPROBS, SamplingParams
 
 __all__ = [
-    "Prompt", "RequestLimits", "REQUEST_LIMIT_NAMES", "validate_request", "plural", "check_token_ids", "check_prompt_bytes",
+    "Prompt", "RequestLimits", "REQUEST_LIMIT_NAMES", "validate_request", "plural", "check_fits", "check_token_ids", "check_prompt_bytes",
     "check_prompt_num_bytes",
     "DEFAULT_MAX_STOP_STRINGS", "DEFAULT_MAX_STOP_CHARS", "MAX_TENANT_CHARS",
     "MAX_CACHE_SALT_CHARS",
@@ -132,7 +132,7 @@ def validate_request(
                                       f"got {type(prompt).__name__}")
         if len(prompt) == 0:
             raise InvalidRequestError("prompt must hold at least one token")
-        _check_fits(len(prompt), num_output, limits.max_model_len)
+        check_fits(len(prompt), num_output, limits.max_model_len)
         check_token_ids("prompt", prompt, limits.vocab_size)
     return params
 
@@ -203,12 +203,16 @@ def plural(count: int, noun: str) -> str:
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
-def _check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int,
+               cache_tokens: int | None = None) -> None:
+    """A prompt of this many tokens and max_tokens more fit max_model_len (and the
+    KV cache's `cache_tokens`, when given); else RequestTooLongError saying so."""
     total = num_prompt_tokens + max_tokens
+    counts = f"prompt has {plural(num_prompt_tokens, 'token')} and max_tokens is {max_tokens}, {total} in all"
     if total > max_model_len:
-        raise RequestTooLongError(
-            f"prompt has {plural(num_prompt_tokens, 'token')} and max_tokens is {max_tokens}, {total} in "
-            f"all; max_model_len is {max_model_len}")
+        raise RequestTooLongError(f"{counts}; max_model_len is {max_model_len}")
+    if cache_tokens is not None and total > cache_tokens:
+        raise RequestTooLongError(f"{counts}; the KV cache holds {cache_tokens} tokens")
 
 
 def check_token_ids(field: str, token_ids: Sequence[int], vocab_size: int) -> None:
