@@ -529,9 +529,14 @@ class Engine:
 
     def _validate(self, submission: tuple) -> SamplingParams:
         prompt, params, priority, tenant, deadline_s, _, timeout_s, cache_salt = submission
-        return validate_request(prompt, params, self.request_limits, priority=priority,
-                                tenant=tenant, deadline_s=deadline_s, timeout_s=timeout_s,
-                                cache_salt=cache_salt)
+        params = validate_request(prompt, params, self.request_limits, priority=priority,
+                                  tenant=tenant, deadline_s=deadline_s, timeout_s=timeout_s,
+                                  cache_salt=cache_salt)
+        if params.n != 1:
+            raise InvalidRequestError(
+                f"n is {params.n}; one engine request is one sample (generate_group runs n samples "
+                f"of a prompt, with params.samples(); LLM.generate and the servers do so for n)")
+        return params
 
     async def _prepare(self, submission: tuple, token_ids: list[int] | None = None) -> RequestActor:
         """Validate a request and build its actor, tokenising a long text prompt

@@ -134,16 +134,6 @@ def _prompt_list(prompts: Any) -> list[tuple[Prompt, str | None]]:
     return [_prompt_of(item) for item in prompts]
 
 
-def _samples(params: SamplingParams) -> list[SamplingParams]:
-    """A prompt's n samples, each one request (n=1; seeded samples differ, as the
-    HTTP API seeds them)."""
-    if params.n == 1:
-        return [params] if params.best_of is None else [attrs.evolve(params, best_of=None)]
-    return [attrs.evolve(params, n=1, best_of=None,
-                         seed=None if params.seed is None else params.seed + sample)
-            for sample in range(params.n)]
-
-
 def _submit(engine: Engine, prompt: Prompt, samples: list[SamplingParams]) -> list:
     """Queue a prompt's samples: one request, or (n > 1) one request group whose
     prompt is computed once."""
@@ -259,7 +249,7 @@ class LLM:
                 raise ConfigError(f"{len(items)} prompts but {len(per_prompt)} SamplingParams")
         host, engine = self._engine()
         results = host.run(self._generate, engine, [prompt for prompt, _ in items],
-                           [_samples(p) for p in per_prompt], use_tqdm)
+                           [p.samples() for p in per_prompt], use_tqdm)
         # A token-id prompt that came with its text keeps that text as `prompt`.
         return [result if text is None or result.prompt is not None else attrs.evolve(result, prompt=text)
                 for result, (_, text) in zip(results, items)]

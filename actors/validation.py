@@ -150,9 +150,6 @@ def _check_params(params: SamplingParams, limits: RequestLimits) -> None:
     check_token_ids("allowed_token_ids", params.allowed_token_ids or (), vocab)
     for word in params.bad_words_token_ids:
         check_token_ids("bad_words_token_ids", word, vocab)
-    if params.n != 1:
-        raise InvalidRequestError(f"n is {params.n}; one engine request is one sample (LLM.generate "
-                                  f"and the HTTP API run n samples as a request group)")
     if params.bad_words and not limits.has_tokenizer:
         raise InvalidRequestError("bad_words need a tokenizer; this engine has none (send "
                                   "bad_words_token_ids instead)")

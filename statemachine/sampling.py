@@ -357,6 +357,14 @@ class SamplingParams:
             raise InvalidRequestError(f"ignore_eos cannot be combined with {self.structured_output.field}: "
                                       f"a complete structured output can only end")
 
+    def samples(self) -> list[SamplingParams]:
+        """The parameters of each of the n samples (n=1 each, best_of cleared); a
+        seeded sample i draws with seed + i, so the samples differ."""
+        if self.n == 1:
+            return [self if self.best_of is None else attrs.evolve(self, best_of=None)]
+        return [attrs.evolve(self, n=1, best_of=None, seed=None if self.seed is None else self.seed + i)
+                for i in range(self.n)]
+
     @property
     def greedy(self) -> bool:
         """Whether the next token is the most likely one (temperature 0)."""

@@ -536,16 +536,16 @@ class HttpServer:
                            code="tenant_limit")
         choices: list[Choice] = []
         options = dict(priority=request.priority, tenant=request.tenant, deadline_s=request.deadline_s)
+        samples = request.samples()
         for prompt_index, prompt in enumerate(request.prompts):
             request_ids = []
             for _ in range(request.n):
                 self._num_requests += 1
                 request_ids.append(f"h{self._num_requests}")
             # With n > 1 the samples are one request group: the prompt is computed once.
-            streams = (self.engine.generate_group(
-                prompt, [request.params_for(sample) for sample in range(request.n)],
-                request_ids=request_ids, **options) if request.n > 1
-                else [self.engine.generate(prompt, request.params_for(0), request_id=request_ids[0],
+            streams = (self.engine.generate_group(prompt, samples, request_ids=request_ids, **options)
+                       if request.n > 1
+                else [self.engine.generate(prompt, samples[0], request_id=request_ids[0],
                                            **options)])
             for request_id, stream in zip(request_ids, streams):
                 state = _StreamState(len(choices), tenant=request.tenant, request_id=request_id)

@@ -143,11 +143,9 @@ class ApiRequest:
     # The field that holds the structured output, named in its errors (None: none).
     structured_field: str | None = None
 
-    def params_for(self, sample: int) -> SamplingParams:
-        """The parameters of the `sample`-th of n choices: seeded choices differ."""
-        if sample and self.params.seed is not None:
-            return attrs.evolve(self.params, seed=self.params.seed + sample)
-        return self.params
+    def samples(self) -> list[SamplingParams]:
+        """The parameters of each of the n choices of a prompt: seeded choices differ."""
+        return attrs.evolve(self.params, n=self.n).samples()
 
 
 def _field(body: dict, name: str, check: Callable, *args) -> Any:

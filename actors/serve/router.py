@@ -831,6 +831,10 @@ class _RouterConnection(Connection):
             return Error(ErrorCode.INVALID_REQUEST.value,
                          "the router forwards prompts only; send the conversation to a server, "
                          "or render it into a prompt", stream=message.stream)
+        if message.params.n != 1:
+            return Error(ErrorCode.INVALID_REQUEST.value,
+                         f"n is {message.params.n}: the router places one sample per Generate; send n "
+                         "Generates, or the request to a server", stream=message.stream)
         return message.refusal(RequestLimits.from_welcome(self.router.welcome))
 
     async def open_stream(self, message: Generate) -> None:

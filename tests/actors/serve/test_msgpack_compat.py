@@ -12,7 +12,7 @@ import pytest
 from cadence.actors.client import open_client
 from cadence.actors.serve.server import open_server
 from cadence.actors.validation import DEFAULT_MAX_STOP_CHARS, DEFAULT_MAX_STOP_STRINGS
-from cadence.actors.wire import MessageError, RemoteInvalidRequestError, decode_request
+from cadence.actors.wire import LimitExceededError, MessageError, decode_request
 from cadence.statemachine.sampling import MAX_LOGPROBS
 from test_server_support import PRINTABLE_IDS, engine_config, server_config
 
@@ -51,7 +51,7 @@ async def test_welcome_reports_the_request_limits():
     assert DEFAULT_MAX_STOP_STRINGS != 3  # the option, not the default, is reported
 
 
-async def test_a_stop_tokens_text_is_not_in_text_and_n_must_be_one():
+async def test_a_stop_tokens_text_is_not_in_text():
     async with open_server(engine_config(), server_config()) as server:
         async with open_client(server.tcp_address) as client:
             # The simulated model writes printable bytes only: the first token is a stop token.
@@ -60,5 +60,20 @@ async def test_a_stop_tokens_text_is_not_in_text_and_n_must_be_one():
             kept = await client.complete([1, 2, 3], max_tokens=8, stop_token_ids=list(PRINTABLE_IDS),
                                          include_stop_str_in_output=True)
             assert kept.text == bytes(kept.token_ids).decode()
-            with pytest.raises(RemoteInvalidRequestError, match="n is 2; one engine request is one sample"):
-                await client.complete([1, 2, 3], max_tokens=2, n=2)
+
+
+async def test_n_samples_answer_on_consecutive_streams_as_one_request_group():
+    async with open_server(engine_config(), server_config(max_inflight_per_connection=4)) as server:
+        async with open_client(server.tcp_address) as client:
+            samples = await client.complete([5] * 40, max_tokens=6, n=3, temperature=1.0, seed=7)
+            assert [len(c.token_ids) for c in samples] == [6, 6, 6]
+            assert len({c.request_id for c in samples}) == 3
+            assert server.engine.stats().num_shared_prompt_tokens > 0  # the prompt computed once
+            alone = await client.complete([5] * 40, max_tokens=6, temperature=1.0, seed=8)
+            assert alone.num_prompt_tokens == samples[1].num_prompt_tokens == 40
+            # The samples' streams must be free and within the connection's limit.
+            with pytest.raises(LimitExceededError, match="n is 5"):
+                await client.complete([1], max_tokens=2, n=5)
+            more = await client.complete([1], max_tokens=2, n=2)
+            assert len(more) == 2
+
