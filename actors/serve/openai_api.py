@@ -24,6 +24,7 @@ from cadence.statemachine.errors import InvalidRequestError, ProtocolError
 from cadence.statemachine.sampling import SamplingParams, StructuredOutput
 
 from ..chat import encode_text, text_size
+from ..validation import check_token_ids
 from ..engine import Engine, RequestStream
 from ..fields import (
     check_bool, check_dict, check_finite_float, check_ids, check_int, check_str, check_strs, kind,
@@ -72,11 +73,11 @@ _SAMPLING_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "freque
 # vLLM's sampling fields passed to SamplingParams as they are (it checks them).
 _VLLM_SAMPLING = ("logit_bias", "allowed_token_ids", "bad_words", "skip_special_tokens",
                   "truncate_prompt_tokens")
-_COMMON_FIELDS = frozenset({*_VLLM_SAMPLING, 
+_COMMON_FIELDS = frozenset({
     "model", "stream", "stream_options", "max_tokens", "n", "stop", "seed", "logprobs", "user",
     "top_k", "priority", "tenant", "deadline_s", "min_tokens", "ignore_eos", "stop_token_ids",
     "include_stop_str_in_output", "best_of", "return_token_ids", *_STRUCTURED_FIELDS,
-    *_SAMPLING_FLOATS})
+    *_SAMPLING_FLOATS, *_VLLM_SAMPLING})
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs",
                                  "add_generation_prompt", "chat_template_kwargs", "tools", "tool_choice",
@@ -275,11 +276,10 @@ def detokenize(body: object, http) -> dict:
     tokens = _field(body, "tokens", check_ids)
     if tokens is None:
         raise ApiError(400, "detokenize needs tokens (a list of token ids)", param="tokens")
-    vocab_size = http.engine.vocab_size
-    for index, token_id in enumerate(tokens):
-        if not 0 <= token_id < vocab_size:
-            raise ApiError(400, f"tokens[{index}] is {token_id}; token ids are in [0, {vocab_size})",
-                           param="tokens")
+    try:
+        check_token_ids("tokens", tokens, http.engine.vocab_size)
+    except InvalidRequestError as exc:
+        raise ApiError(400, str(exc), param="tokens") from None
     tokenizer = http.engine.tokenizer
     if tokenizer is None:
         raise ApiError(400, f"the model {http.model_name!r} has no tokenizer")
