@@ -23,7 +23,9 @@ import json
 import math
 import os
 import random
+import signal
 import sys
+import threading
 from typing import Any, AsyncIterator, Callable
 
 import attrs
@@ -62,6 +64,8 @@ _DEFAULT_PERCENTILES = (50.0, 90.0, 99.0)
 _STREAMS_PER_CONNECTION = 128
 # The exit status of a user's mistake, as for every `cadence` command.
 USAGE_ERROR = 2
+# Exit status of a run ended by Ctrl-C (128 + SIGINT, as shells report it).
+INTERRUPTED = 130
 
 
 @attrs.frozen
@@ -260,11 +264,14 @@ async def _sampler(target, samples: list[Sample], start_s: float, interval_s: fl
 async def run_benchmark(target, requests: list[BenchRequest], *, request_rate: float = math.inf,
                         max_concurrency: int | None = None, seed: int = 0,
                         sample_interval_s: float | None = None,
-                        on_done: Callable[[], None] | None = None
+                        on_done: Callable[[], None] | None = None,
+                        stop: trio.Event | None = None,
                         ) -> tuple[list[RequestTiming], list[Sample], float]:
     """Send every request (Poisson arrivals at `request_rate`, at most
     `max_concurrency` at once) and time each; returns the timings, the engine
-    samples (when `sample_interval_s` is set) and the run's duration."""
+    samples (when `sample_interval_s` is set) and the run's duration. When `stop`
+    is set the run ends there: what was sent and had not finished counts as
+    failed ("interrupted"), what was not sent yet is left out."""
     rng = random.Random(seed)
     limiter = trio.CapacityLimiter(max_concurrency) if max_concurrency else None
     timings: list[RequestTiming] = []
@@ -284,6 +291,8 @@ async def run_benchmark(target, requests: list[BenchRequest], *, request_rate: f
     async with trio.open_nursery() as outer:
         if sample_interval_s:
             outer.start_soon(_sampler, target, samples, start, sample_interval_s)
+        if stop is not None:
+            outer.start_soon(_cancel_when_set, stop, outer.cancel_scope)
         async with trio.open_nursery() as nursery:
             for request in requests:
                 timing = RequestTiming(len(request.prompt_token_ids), trio.current_time())
@@ -292,7 +301,23 @@ async def run_benchmark(target, requests: list[BenchRequest], *, request_rate: f
                 if math.isfinite(request_rate):
                     await trio.sleep(rng.expovariate(request_rate))
         outer.cancel_scope.cancel()
+    for timing in timings:
+        if timing.end_s is None and timing.error is None:
+            timing.error = "interrupted"
     return timings, samples, trio.current_time() - start
+
+
+async def _cancel_when_set(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
+
+
+async def _set_on_sigint(event: trio.Event) -> None:
+    """Ctrl-C ends the run with a summary of what finished (a second one is not caught)."""
+    with trio.open_signal_receiver(signal.SIGINT) as signals:
+        async for _ in signals:
+            event.set()
+            return
 
 
 def _stats_ms(values: list[float], percentiles: tuple[float, ...]) -> dict[str, float]:
@@ -518,10 +543,13 @@ def run_bench(args: argparse.Namespace) -> int:
         if not requests:
             raise ConfigError("the workload has no requests")
         with unwrap_sole_error():
-            result, samples, timings = trio.run(_bench, args, requests, percentiles)
+            result, samples, timings, interrupted = trio.run(_bench, args, requests, percentiles)
     except (CadenceError, OSError) as exc:
         print(f"cadence bench: {exc}", file=sys.stderr)
         return USAGE_ERROR
+    if interrupted:
+        print(f"cadence bench: interrupted after {result.duration_s:.1f} s; the summary covers the "
+              f"{result.num_requests} requests sent ({result.num_completed} finished)", file=sys.stderr)
     print(format_result(result))
     if args.json is not None:
         line = json.dumps(attrs.asdict(result))
@@ -533,16 +561,29 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.plot is not None:
         write_plot(args.plot, samples, timings)
         print(f"plot written to {args.plot}")
+    if interrupted:
+        return INTERRUPTED
     return 0 if result.num_failed == 0 else 1
 
 
-async def _bench(args: argparse.Namespace, requests: list[BenchRequest],
-                 percentiles: tuple[float, ...]) -> tuple[BenchResult, list[Sample], list[RequestTiming]]:
+async def _bench(args: argparse.Namespace, requests: list[BenchRequest], percentiles: tuple[float, ...]
+                 ) -> tuple[BenchResult, list[Sample], list[RequestTiming], bool]:
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        if threading.current_thread() is threading.main_thread():
+            nursery.start_soon(_set_on_sigint, stop)
+        result = await _measure(args, requests, percentiles, stop)
+        nursery.cancel_scope.cancel()
+    return (*result, stop.is_set())
+
+
+async def _measure(args: argparse.Namespace, requests: list[BenchRequest], percentiles: tuple[float, ...],
+                   stop: trio.Event) -> tuple[BenchResult, list[Sample], list[RequestTiming]]:
     bar = _progress(len(requests), not args.no_progress)
     on_done = (lambda: bar.update(1)) if bar is not None else None
     interval = args.sample_interval_s if args.plot is not None else None
     options = dict(request_rate=args.request_rate, max_concurrency=args.max_concurrency,
-                   seed=args.arrival_seed, sample_interval_s=interval, on_done=on_done)
+                   seed=args.arrival_seed, sample_interval_s=interval, on_done=on_done, stop=stop)
     try:
         if args.embedded:
             async with open_engine(engine_config_from_args(args)) as engine:

@@ -26,7 +26,8 @@ import attrs
 from cadence.statemachine.errors import ConfigError, InvalidRequestError
 
 __all__ = ["CHAT_TEMPLATE_FILE", "ChatTemplate", "ChatTemplateError", "EngineChat", "check_messages",
-           "encode_rendered", "text_size", "MAX_MESSAGES", "MAX_CONTENT_PARTS"]
+           "encode_rendered", "encode_text", "template_messages", "text_size", "MAX_MESSAGES",
+           "MAX_CONTENT_PARTS"]
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -122,6 +123,32 @@ def check_messages(messages: object, path: str = "messages") -> list[dict]:
     return messages  # type: ignore[return-value]
 
 
+def template_messages(messages: object) -> object:
+    """The conversation as templates expect it: an assistant's tool call arguments
+    (JSON text in OpenAI's shape) as objects, as Hugging Face templates read them.
+    Other messages pass unchanged."""
+    if not isinstance(messages, list):
+        return messages
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if isinstance(calls, list):
+            message = {**message, "tool_calls": [_template_call(call) for call in calls]}
+        out.append(message)
+    return out
+
+
+def _template_call(call: object) -> object:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
 def text_size(value: object) -> int:
     """Characters of every string in a conversation (or any JSON-like value), plus
     one per other item: a cheap, linear measure of what rendering it will cost,
@@ -208,8 +235,13 @@ class ChatTemplate:
 def encode_rendered(tokenizer, text: str) -> list[int]:
     """Token ids of a rendered conversation: the template wrote its special tokens,
     so the tokenizer adds none of its own."""
+    return encode_text(tokenizer, text, add_special_tokens=False)
+
+
+def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of `text`, with or without the tokenizer's own special tokens."""
     try:
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
     except TypeError:  # a tokenizer that never adds any (the byte tokenizer)
         return list(tokenizer.encode(text))
 
@@ -243,5 +275,6 @@ class EngineChat:
                 "tokenizer_config.json's chat_template); send a prompt instead")
         if self.tokenizer is None:
             raise ChatTemplateError(f"chat needs a tokenizer; the model {self.model!r} has none")
-        text = template.render(messages, add_generation_prompt=add_generation_prompt, **variables)
+        text = template.render(template_messages(messages), add_generation_prompt=add_generation_prompt,
+                               **variables)
         return encode_rendered(self.tokenizer, text)

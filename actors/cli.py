@@ -31,7 +31,8 @@ from .serve import server
 from .engine import (  # noqa: F401  (demo_model_dir, resolve_model: also imported from here)
     EXECUTOR_KINDS, SIMULATED_MODEL, EngineConfig, demo_model_dir, open_engine, resolve_model,
 )
-from .engine_args import cpu_options, tokenizer_for
+from .engine_args import DEFAULT_MAX_MODEL_LEN, cpu_options, max_model_len_help, tokenizer_for
+from .validation import plural
 from .unwrap import unwrap_sole_error
 from .simulated import ZERO_LATENCY, LatencyModel
 
@@ -129,7 +130,7 @@ async def _generate(args, out) -> None:
             deltas.append(delta)
     out.write("\n")
     last = deltas[-1]
-    print(f"[{last.num_tokens} tokens, finish: {last.finish_reason}]", file=sys.stderr)
+    print(f"[{plural(last.num_tokens, 'token')}, finish: {last.finish_reason}]", file=sys.stderr)
     if args.logprobs is not None:
         _print_logprobs(deltas, tokenizer)
 
@@ -221,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--cpu-path", choices=("auto", "packed", "eager"), default="auto",
                      help="how the model computes on a CPU (default auto: packed where it can)")
     gen.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
-    gen.add_argument("--max-model-len", type=int, default=4096, help="longest sequence (default 4096)")
+    gen.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN,
+                     help=max_model_len_help("longest sequence"))
     gen.add_argument("--seed", type=int, default=0, help="sampling seed")
     gen.add_argument("--latency", action="store_true",
                      help="simulated executor: sleep as its latency model says")

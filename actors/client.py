@@ -189,14 +189,26 @@ class ClientProtocol:
     def generate(self, prompt: Prompt | None, params: SamplingParams | None, options: dict,
                  sampling: dict) -> tuple[StreamState, bytes]:
         """A new stream and its Generate frame (`options` may hold `prompt_token_ids`
-        or `messages` in place of `prompt`)."""
+        or `messages` in place of `prompt`); one sample (see `generate_samples`)."""
+        states, frame = self.generate_samples(prompt, params, options, sampling)
+        if len(states) != 1:
+            for state in states:
+                self.streams.pop(state.stream, None)
+            raise ConfigError(f"n is {len(states)}: use generate_samples for one stream per sample")
+        return states[0], frame
+
+    def generate_samples(self, prompt: Prompt | None, params: SamplingParams | None, options: dict,
+                         sampling: dict) -> tuple[list[StreamState], bytes]:
+        """The new streams of a Generate, one per sample (params.n; the server answers
+        sample i on the Generate's stream id + i), and its frame."""
         self.check_open()
         sid = self._num_streams
-        self._num_streams += 1
         message = _generate_message(sid, prompt, params, options, sampling)
-        state = StreamState(sid)
-        self.streams[sid] = state
-        return state, pack_frame(encode(message))
+        self._num_streams += message.params.n
+        states = [StreamState(sid + i) for i in range(message.params.n)]
+        for state in states:
+            self.streams[state.stream] = state
+        return states, pack_frame(encode(message))
 
     def abort(self, state: StreamState) -> bytes | None:
         """The Abort frame for a live stream, or None when it has ended."""
@@ -444,24 +456,34 @@ class Client:
                  messages: Sequence[Mapping[str, Any]] | None = None,
                  priority: int = 0, tenant: str = "default", deadline_s: float | None = None,
                  timeout_s: float | None = None, cache_salt: str | None = None,
-                 **sampling) -> SyncStream:
+                 **sampling) -> SyncStream | list[SyncStream]:
         """Start a request and return its stream. The prompt is exactly one of
         `prompt` (text or token ids), `prompt_token_ids`, or `messages` (a
         conversation of {"role", "content"} maps the server renders with its
         model's chat template). Sampling fields may be given as keywords
         (max_tokens=16) instead of params. timeout_s: the server aborts the
-        request after this long (detail "timeout")."""
+        request after this long (detail "timeout"). With n > 1 the samples are
+        one request group on the server, and a list of n streams comes back."""
         options = dict(priority=priority, tenant=tenant, deadline_s=deadline_s, timeout_s=timeout_s,
                        cache_salt=cache_salt, prompt_token_ids=prompt_token_ids, messages=messages)
-        state, frame = self.protocol.generate(prompt, params, options, sampling)
+        states, frame = self.protocol.generate_samples(prompt, params, options, sampling)
         self._send_bytes(frame)
-        return SyncStream(self, state)
+        streams = [SyncStream(self, state) for state in states]
+        return streams[0] if len(streams) == 1 else streams
 
     def complete(self, prompt: Prompt | None = None, params: SamplingParams | None = None,
-                 **options) -> Completion:
-        """Run one request to the end and return it whole (arguments as `generate`)."""
-        with self.generate(prompt, params, **options) as stream:
-            return stream.collect()
+                 **options) -> Completion | list[Completion]:
+        """Run one request to the end and return it whole (arguments as `generate`;
+        with n > 1, one Completion per sample)."""
+        streams = self.generate(prompt, params, **options)
+        if not isinstance(streams, list):
+            with streams:
+                return streams.collect()
+        completions = []
+        for stream in streams:
+            with stream:
+                completions.append(stream.collect())
+        return completions
 
     def stats(self) -> dict[str, Any]:
         """The engine's and the server's counters."""
@@ -604,15 +626,24 @@ class _AsyncClientCalls:
         """Start a request and return its stream (see `Client.generate`)."""
         options = dict(priority=priority, tenant=tenant, deadline_s=deadline_s, timeout_s=timeout_s,
                        cache_salt=cache_salt, prompt_token_ids=prompt_token_ids, messages=messages)
-        state, frame = self.protocol.generate(prompt, params, options, sampling)
+        states, frame = self.protocol.generate_samples(prompt, params, options, sampling)
         await self._send_bytes(frame)
-        return self._stream_class(self, state)
+        streams = [self._stream_class(self, state) for state in states]
+        return streams[0] if len(streams) == 1 else streams
 
     async def complete(self, prompt: Prompt | None = None, params: SamplingParams | None = None,
-                       **options) -> Completion:
-        """Run one request to the end and return it whole (arguments as `generate`)."""
-        async with await self.generate(prompt, params, **options) as stream:
-            return await stream.collect()
+                       **options) -> Completion | list[Completion]:
+        """Run one request to the end and return it whole (arguments as `generate`;
+        with n > 1, one Completion per sample)."""
+        streams = await self.generate(prompt, params, **options)
+        if not isinstance(streams, list):
+            async with streams:
+                return await streams.collect()
+        completions = []
+        for stream in streams:
+            async with stream:
+                completions.append(await stream.collect())
+        return completions
 
     async def stats(self) -> dict[str, Any]:
         """The engine's and the server's counters."""

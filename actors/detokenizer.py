@@ -15,7 +15,7 @@ from collections import deque
 from functools import lru_cache
 from typing import Protocol, Sequence, runtime_checkable
 
-__all__ = ["Tokenizer", "ByteTokenizer", "IncrementalDetokenizer", "StopAutomaton",
+__all__ = ["Tokenizer", "ByteTokenizer", "IncrementalDetokenizer", "KeepSpecialTokens", "token_text_function", "StopAutomaton",
            "stop_automaton", "StopStringMatcher", "TextAssembler", "max_bytes_per_token"]
 
 _REPLACEMENT = "\ufffd"
@@ -100,6 +100,39 @@ class ByteTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         """The text of the byte tokens; end-of-sequence and unknown ids are skipped."""
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
+
+
+def token_text_function(tokenizer: Tokenizer | None):
+    """The text of one token id, special tokens spelled out (for logprobs); without
+    a tokenizer, "token_id:N"."""
+    if tokenizer is None:
+        return lambda token_id: f"token_id:{token_id}"
+    try:
+        tokenizer.decode([0], skip_special_tokens=False)
+    except TypeError:
+        return lambda token_id: tokenizer.decode([token_id])
+    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+class KeepSpecialTokens:
+    """A tokenizer whose text keeps special tokens (`skip_special_tokens=False`)."""
+
+    __slots__ = ("tokenizer", "eos_token_ids")
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tokenizer.eos_token_ids
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`."""
+        return self.tokenizer.encode(text)
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of `token_ids`, special tokens spelled out."""
+        try:
+            return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+        except TypeError:  # a tokenizer without special tokens (the byte tokenizer)
+            return self.tokenizer.decode(token_ids)
 
 
 class IncrementalDetokenizer:
@@ -220,11 +253,12 @@ class StopStringMatcher:
     automaton's transitions, the whole cost of matching.
     """
 
-    __slots__ = ("automaton", "include_stop", "held", "state", "num_steps")
+    __slots__ = ("automaton", "include_stop", "held", "state", "num_steps", "matched")
 
     def __init__(self, stops: Sequence[str] | StopAutomaton, include_stop: bool = False) -> None:
         self.automaton = stops if isinstance(stops, StopAutomaton) else stop_automaton(stops)
         self.include_stop = include_stop
+        self.matched: str | None = None  # the stop string found, once one is
         self.held = ""
         self.state = 0
         self.num_steps = 0
@@ -243,6 +277,7 @@ class StopStringMatcher:
             if match[state]:
                 self.num_steps += steps
                 buffer = self.held + text[:i + 1]
+                self.matched = buffer[len(buffer) - match[state]:]
                 end = len(buffer) if self.include_stop else len(buffer) - match[state]
                 self.held, self.state = "", 0
                 released = buffer[:end]

@@ -32,8 +32,10 @@ from cadence.statemachine.sampling import SamplingParams, StructuredOutput
 from cadence.statemachine.scheduler import Scheduler
 from cadence.statemachine.stats import StatsSummary
 
+from .chat import encode_text
 from .detokenizer import (
-    ByteTokenizer, StopAutomaton, TextAssembler, Tokenizer, max_bytes_per_token, stop_automaton,
+    ByteTokenizer, KeepSpecialTokens, StopAutomaton, TextAssembler, Tokenizer, max_bytes_per_token,
+    stop_automaton, token_text_function,
 )
 from .executor import ExecutorBackend
 from .messages import InitExecutor, OptionValue
@@ -43,7 +45,7 @@ from .simulated import LatencyModel, SimulatedExecutor
 from .structured import DEFAULT_GRAMMAR_CACHE_SIZE, GrammarCompiler, compiler_for
 from .trace import TraceRecorder
 from .validation import (
-    DEFAULT_MAX_STOP_CHARS, DEFAULT_MAX_STOP_STRINGS, Prompt, RequestLimits, check_token_ids,
+    DEFAULT_MAX_STOP_CHARS, DEFAULT_MAX_STOP_STRINGS, Prompt, RequestLimits, check_fits, check_token_ids,
     validate_request,
 )
 from .unwrap import unwrap_sole_error
@@ -313,7 +315,11 @@ class RequestStream:
         """Consume the stream and return the request as a whole."""
         deltas = [out async for out in self]
         prompt = self._submission[0]
-        return result_of(deltas, self.prompt_token_ids, prompt if isinstance(prompt, str) else None)
+        result = result_of(deltas, self.prompt_token_ids, prompt if isinstance(prompt, str) else None)
+        tokenizer = self._engine.tokenizer
+        if tokenizer is None or result.logprobs is None and result.prompt_token_logprobs is None:
+            return result
+        return attrs.evolve(result, token_text=token_text_function(tokenizer))
 
     def __del__(self) -> None:
         # Runs when a consumer breaks out of `async for` and drops the stream.
@@ -347,6 +353,7 @@ def result_of(deltas: Sequence[RequestOutput], prompt_token_ids: list[int],
         logprobs=join_logprobs((len(out.token_ids), out.logprobs) for out in deltas),
         prompt=prompt,
         prompt_token_logprobs=deltas[0].prompt_logprobs,
+        stop_reason=last.stop_reason,
     )
 
 
@@ -412,6 +419,7 @@ class Engine:
         policy. timeout_s: the request is aborted (detail "timeout") after this many
         seconds. Validation errors raise on the first iteration.
         """
+        prompt, params = self._vllm_options(prompt, params)
         return RequestStream(self, (prompt, params, priority, tenant, deadline_s, request_id,
                                     timeout_s, cache_salt))
 
@@ -438,6 +446,9 @@ class Engine:
             raise InvalidRequestError(
                 f"request_ids has {len(request_ids)} entries for {len(params)} samples")
         ids = list(request_ids) if request_ids is not None else [None] * len(params)
+        if params and params[0] is not None:
+            prompt, _ = self._vllm_options(prompt, params[0])
+            params = [self._vllm_options(prompt, p)[1] if p is not None else p for p in params]
         shared = all(p is None or p.prompt_logprobs is None for p in params)
         group: list[RequestStream] | None = [] if shared else None
         streams: list[RequestStream] = []
@@ -473,7 +484,7 @@ class Engine:
     async def prepare_structured_output(self, params: SamplingParams | None) -> None:
         """Compile the structured output of `params` in a worker thread, unless it is
         compiled already; a request with these parameters then compiles nothing.
-        Raises StructuredOutputError naming the field ("response_format", "regex" or
+        Raises StructuredOutputError naming the field ("structured_output", "regex" or
         "grammar") and the grammar library's reason."""
         structured = None if params is None else params.structured_output
         if structured is None:
@@ -497,11 +508,35 @@ class Engine:
         return self._grammars
 
     # ---- internals -------------------------------------------------------------
+    def _vllm_options(self, prompt: Prompt, params: SamplingParams | None) -> tuple[Prompt, SamplingParams | None]:
+        """The prompt cut to `truncate_prompt_tokens` (its last k tokens), and `bad_words`
+        as token ids (each word with and without a leading space, as vLLM reads them);
+        both need the tokenizer and are left to validation without one."""
+        if params is None or self.tokenizer is None:
+            return prompt, params
+        if params.truncate_prompt_tokens is not None and (isinstance(prompt, str) or isinstance(prompt, list)):
+            ids = self._encode(prompt) if isinstance(prompt, str) and prompt else prompt
+            prompt = list(ids[-params.truncate_prompt_tokens:])
+        if params.bad_words:
+            words = list(params.bad_words_token_ids)
+            for word in params.bad_words:
+                for variant in {word, word if word.startswith(" ") else " " + word}:
+                    ids = tuple(encode_text(self.tokenizer, variant, add_special_tokens=False))
+                    if ids and ids not in words:
+                        words.append(ids)
+            params = attrs.evolve(params, bad_words=(), bad_words_token_ids=words)
+        return prompt, params
+
     def _validate(self, submission: tuple) -> SamplingParams:
         prompt, params, priority, tenant, deadline_s, _, timeout_s, cache_salt = submission
-        return validate_request(prompt, params, self.request_limits, priority=priority,
-                                tenant=tenant, deadline_s=deadline_s, timeout_s=timeout_s,
-                                cache_salt=cache_salt)
+        params = validate_request(prompt, params, self.request_limits, priority=priority,
+                                  tenant=tenant, deadline_s=deadline_s, timeout_s=timeout_s,
+                                  cache_salt=cache_salt)
+        if params.n != 1:
+            raise InvalidRequestError(
+                f"n is {params.n}; one engine request is one sample (generate_group runs n samples "
+                f"of a prompt, with params.samples(); LLM.generate and the servers do so for n)")
+        return params
 
     async def _prepare(self, submission: tuple, token_ids: list[int] | None = None) -> RequestActor:
         """Validate a request and build its actor, tokenising a long text prompt
@@ -548,6 +583,10 @@ class Engine:
                 self.grammar_compiler(params.structured_output).compile(params.structured_output)
         if token_ids is None:
             token_ids = self._encode(prompt) if isinstance(prompt, str) else list(prompt)
+        # Refused here with the counts (the core would refuse it too, naming its request id).
+        core = self.core
+        check_fits(len(token_ids), params.max_tokens or 1, core.config.max_model_len,
+                   core.cache_config.num_blocks * core.blocks.block_size)
         # max_tokens=None: whatever room max_model_len leaves (at least one, so that a prompt
         # that fills it is refused by the core with the lengths named).
         params = params.bounded(max(1, self.core.config.max_model_len - len(token_ids)))
@@ -561,7 +600,8 @@ class Engine:
             arrival_s=now, cache_salt=self._block_salt(tenant, cache_salt, params))
         assembler = None
         if self.tokenizer is not None:
-            assembler = TextAssembler(self.tokenizer, token_ids,
+            tokenizer = self.tokenizer if params.skip_special_tokens else KeepSpecialTokens(self.tokenizer)
+            assembler = TextAssembler(tokenizer, token_ids,
                                       stops if stops is not None else params.stop,
                                       params.include_stop_str_in_output)
         return RequestActor(request, params, self.scheduler.abort_nowait, assembler, timeout_s)

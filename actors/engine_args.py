@@ -12,7 +12,21 @@ from .engine import DEMO_MODEL, EXECUTOR_KINDS, SIMULATED_MODEL, EngineConfig, r
 from .simulated import LatencyModel
 from .validation import DEFAULT_MAX_STOP_CHARS, DEFAULT_MAX_STOP_STRINGS
 
-__all__ = ["add_engine_arguments", "cpu_options", "engine_config_from_args", "tokenizer_for"]
+__all__ = ["add_engine_arguments", "cpu_options", "engine_config_from_args", "tokenizer_for",
+           "max_model_len_help", "DEFAULT_MAX_MODEL_LEN"]
+
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+def max_model_len_help(what: str = "prompt plus output tokens") -> str:
+    """--max-model-len's help: the default, and the demo model's own limit that the
+    engine lowers it to (it computes no more positions)."""
+    import json
+
+    with open(os.path.join(resolve_model(DEMO_MODEL), "config.json"), encoding="utf-8") as file:
+        positions = json.load(file)["max_position_embeddings"]
+    return (f"{what} (default {DEFAULT_MAX_MODEL_LEN}, lowered to the model's own limit "
+            f"where that is smaller: {positions} for the demo model)")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,7 +42,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default="auto", help="cpu, cuda, ... (default: auto)")
     group.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
     group.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step")
-    group.add_argument("--max-model-len", type=int, default=4096, help="prompt plus output tokens")
+    group.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN, help=max_model_len_help())
     group.add_argument("--num-blocks", type=int, default=8192,
                        help="KV blocks (the executor may report another figure)")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")

@@ -16,6 +16,7 @@ queue was full) and collects the finished requests.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any, Mapping, Sequence, Union
 
 import attrs
@@ -26,11 +27,11 @@ from cadence.statemachine.sampling import SamplingParams
 from cadence.statemachine.stats import StatsSummary
 
 from .chat import EngineChat
-from .engine import Engine, EngineConfig, open_engine
+from .engine import DEMO_MODEL, Engine, EngineConfig, open_engine, resolve_model
 from .request_actor import RequestResult
 from .trio_thread import TrioThread
 
-__all__ = ["LLM", "VLLM_OPTIONS"]
+__all__ = ["LLM", "VLLM_OPTIONS", "VLLM_ACCEPTED"]
 
 Prompt = Union[str, Sequence[int]]
 # vLLM's prompt shapes: text, token ids, {"prompt": text} or {"prompt_token_ids": ids}.
@@ -55,6 +56,8 @@ VLLM_OPTIONS: dict[str, str] = {
     "enable_chunked_prefill": "enable_chunked_prefill",
     "block_size": "block_size",
     "num_gpu_blocks_override": "num_blocks",
+    "enforce_eager": "executor_options.use_cuda_graphs",
+    "tokenizer": "tokenizer",
 }
 _EXECUTOR_OPTION = "executor_options."
 # Cadence's own model-executor options that LLM(...) takes by name.
@@ -62,13 +65,40 @@ EXECUTOR_OPTION_NAMES: dict[str, str] = {
     "num_threads": "executor_options.num_threads",
     "cpu_path": "executor_options.cpu_path",
 }
+# vLLM keywords taken with no Cadence option behind them, and why.
+VLLM_ACCEPTED = {
+    # Cadence builds its models from its own code; it never runs a checkpoint's.
+    "trust_remote_code": "no checkpoint code is ever run",
+}
+
+
+def _vllm_value(key: str, value: Any, model: Any) -> tuple[bool, Any]:
+    """(whether to set it, the Cadence value) of one vLLM keyword whose meaning is
+    spelled differently: enforce_eager=True turns CUDA graphs off (False leaves
+    the executor's own choice); tokenizer names a folder (or "demo") whose
+    tokenizer.json is loaded, unless it is the model's own."""
+    if key == "enforce_eager":
+        return bool(value), False
+    if key == "tokenizer" and isinstance(value, (str, Path)):
+        if str(value) == str(model):
+            return False, None
+        from cadence.gpu.tokenizer import Tokenizer
+
+        return True, Tokenizer.from_pretrained(resolve_model(str(value)))
+    return True, value
 
 
 def engine_config_from_options(**kwargs: Any) -> EngineConfig:
     """An EngineConfig from vLLM's keywords (VLLM_OPTIONS) and Cadence's own."""
     options: dict[str, Any] = {}
     executor_options = dict(kwargs.pop("executor_options", None) or {})
+    for key in VLLM_ACCEPTED:
+        kwargs.pop(key, None)
+    model = kwargs.get("model", DEMO_MODEL)
     for key, value in kwargs.items():
+        wanted, value = _vllm_value(key, value, model)
+        if not wanted:
+            continue
         target = VLLM_OPTIONS.get(key) or EXECUTOR_OPTION_NAMES.get(key, key)
         if target.startswith(_EXECUTOR_OPTION):
             executor_options[target[len(_EXECUTOR_OPTION):]] = value
@@ -107,6 +137,17 @@ def _prompt_list(prompts: Any) -> list[tuple[Prompt, str | None]]:
     if not isinstance(prompts, Sequence):
         raise InvalidRequestError(f"prompts must be {_PROMPT_SHAPES}; got {type(prompts).__name__}")
     return [_prompt_of(item) for item in prompts]
+
+
+def _submit(engine: Engine, prompt: Prompt, samples: list[SamplingParams]) -> list:
+    """Queue a prompt's samples: one request, or (n > 1) one request group whose
+    prompt is computed once."""
+    if len(samples) == 1:
+        return [engine.generate(prompt, samples[0]).enqueue()]
+    streams = engine.generate_group(prompt, samples)
+    for stream in streams:
+        stream.enqueue()
+    return streams
 
 
 class _NoBar:
@@ -181,6 +222,11 @@ class LLM:
             self._host = host
         return host, host.resource
 
+    def get_tokenizer(self):
+        """The engine's tokenizer (starting the engine if it is not running), as vLLM's
+        `LLM.get_tokenizer()`; None for a model without one."""
+        return self._engine()[1].tokenizer
+
     def generate(
         self,
         prompts: PromptLike | Sequence[PromptLike],
@@ -207,8 +253,8 @@ class LLM:
             if len(per_prompt) != len(items):
                 raise ConfigError(f"{len(items)} prompts but {len(per_prompt)} SamplingParams")
         host, engine = self._engine()
-        results = host.run(self._generate, engine, [prompt for prompt, _ in items], per_prompt,
-                           use_tqdm)
+        results = host.run(self._generate, engine, [prompt for prompt, _ in items],
+                           [p.samples() for p in per_prompt], use_tqdm)
         # A token-id prompt that came with its text keeps that text as `prompt`.
         return [result if text is None or result.prompt is not None else attrs.evolve(result, prompt=text)
                 for result, (_, text) in zip(results, items)]
@@ -240,15 +286,18 @@ class LLM:
             while pending:
                 # Everything is handed over before the first step, in prompt order;
                 # what the full waiting queue refused goes again once the rest is done.
-                streams = [(i, engine.generate(prompts[i], params[i]).enqueue()) for i in pending]
+                streams = [(i, _submit(engine, prompts[i], params[i])) for i in pending]
                 refused: list[int] = []
 
-                async def collect(index: int, stream) -> None:
+                async def collect(index: int, group) -> None:
                     try:
-                        results[index] = await stream.collect()
+                        first, *samples = [await stream.collect() for stream in group]
                     except QueueFullError:
+                        for stream in group:
+                            await stream.aclose()
                         refused.append(index)
                         return
+                    results[index] = attrs.evolve(first, samples=samples) if samples else first
                     bar.update(1)
 
                 async with trio.open_nursery() as nursery:

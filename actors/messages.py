@@ -196,6 +196,14 @@ def _sampling_to_wire(params: SamplingParams) -> dict[str, Any]:
         "stop_token_ids": params.stop_token_ids,
         "include_stop_str_in_output": params.include_stop_str_in_output,
         "structured_output": _structured_to_wire(params.structured_output),
+        "n": params.n,
+        "best_of": params.best_of,
+        "logit_bias": [list(pair) for pair in params.logit_bias],
+        "allowed_token_ids": None if params.allowed_token_ids is None else list(params.allowed_token_ids),
+        "bad_words": list(params.bad_words),
+        "bad_words_token_ids": [list(word) for word in params.bad_words_token_ids],
+        "skip_special_tokens": params.skip_special_tokens,
+        "truncate_prompt_tokens": params.truncate_prompt_tokens,
     }
 
 
@@ -209,6 +217,17 @@ def _structured_from_wire(value: object, path: str) -> dict[str, str] | None:
         return None
     m = _fields(value, path, frozenset({"kind", "spec"}))
     return {"kind": _str(m["kind"], f"{path}.kind"), "spec": _str(m["spec"], f"{path}.spec")}
+
+
+def _bias_pairs(value: object, path: str) -> list[tuple[int, float]]:
+    """logit_bias as [token id, bias] pairs."""
+    pairs = []
+    for index, pair in enumerate(_list(value, path)):
+        where = f"{path}[{index}]"
+        if len(_list(pair, where)) != 2:
+            raise ProtocolError(f"{where}: expected a [token id, bias] pair, got {len(pair)} items")
+        pairs.append((_int(pair[0], f"{where}[0]", None), _float(pair[1], f"{where}[1]")))
+    return pairs
 
 
 def _sampling_from_wire(value: object, path: str) -> SamplingParams:
@@ -226,6 +245,18 @@ def _sampling_from_wire(value: object, path: str) -> SamplingParams:
         "include_stop_str_in_output": _bool(
             m["include_stop_str_in_output"], f"{path}.include_stop_str_in_output"),
         "structured_output": _structured_from_wire(m["structured_output"], f"{path}.structured_output"),
+        "n": _int(m["n"], f"{path}.n", None),
+        "best_of": _optional_int(m["best_of"], f"{path}.best_of", None),
+        "logit_bias": _bias_pairs(m["logit_bias"], f"{path}.logit_bias"),
+        "allowed_token_ids": None if m["allowed_token_ids"] is None
+        else _ids(m["allowed_token_ids"], f"{path}.allowed_token_ids"),
+        "bad_words": _strs(m["bad_words"], f"{path}.bad_words"),
+        "bad_words_token_ids": [_ids(word, f"{path}.bad_words_token_ids[{i}]")
+                                for i, word in enumerate(_list(m["bad_words_token_ids"],
+                                                               f"{path}.bad_words_token_ids"))],
+        "skip_special_tokens": _bool(m["skip_special_tokens"], f"{path}.skip_special_tokens"),
+        "truncate_prompt_tokens": _optional_int(m["truncate_prompt_tokens"], f"{path}.truncate_prompt_tokens",
+                                                None),
     }
     for name in _SAMPLING_FLOATS:
         fields[name] = _float(m[name], f"{path}.{name}")

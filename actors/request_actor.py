@@ -82,6 +82,9 @@ class RequestOutput(NamedTuple):
     num_cached_tokens: int
     logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+    # On the last delta of a request that stopped: the stop string or stop token id
+    # that ended it (None for end-of-sequence or any other end), as vLLM reports it.
+    stop_reason: str | int | None = None
 
     @property
     def finished(self) -> bool:
@@ -95,12 +98,13 @@ class RequestOutput(NamedTuple):
         return [CompletionOutput(
             index=0, text=self.text if self.text is not None else "", token_ids=list(self.token_ids),
             cumulative_logprob=None, logprobs=logprobs, finish_reason=self.finish_reason,
-            stop_reason=self.detail or None)]
+            stop_reason=self.stop_reason)]
 
 
 @attrs.frozen
 class Logprob:
-    """One candidate token's log-probability at a position; rank 1 is the most likely."""
+    """One candidate token's log-probability at a position; rank 1 is the most likely;
+    decoded_token is its text (when the result knows its tokenizer)."""
 
     logprob: float
     rank: int
@@ -122,7 +126,8 @@ class CompletionOutput:
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None
-    stop_reason: str | None = None
+    # The stop string or stop token id that ended the completion (None otherwise).
+    stop_reason: str | int | None = None
 
     def finished(self) -> bool:
         """Whether the completion has ended."""
@@ -139,16 +144,24 @@ class RequestMetrics:
     num_cached_tokens: int
 
 
-def _candidates(entry: list[tuple[int, float]] | None) -> dict[int, Logprob] | None:
-    """vLLM's per-position shape from (token id, logprob) pairs, the sampled token first."""
+def _candidates(entry: list[tuple[int, float]] | None,
+                decode: Callable[[int], str] | None = None) -> dict[int, Logprob] | None:
+    """vLLM's per-position shape from (token id, logprob) pairs, the sampled token
+    first; `decode` gives each token's text (`decoded_token`)."""
     if entry is None:
         return None
+    text = decode if decode is not None else _no_text
     (sampled, sampled_logprob), alternatives = entry[0], entry[1:]
-    out = {token: Logprob(logprob, rank) for rank, (token, logprob) in enumerate(alternatives, 1)}
+    out = {token: Logprob(logprob, rank, text(token))
+           for rank, (token, logprob) in enumerate(alternatives, 1)}
     if sampled not in out:
         rank = 1 + sum(1 for _, logprob in alternatives if logprob > sampled_logprob)
-        out = {sampled: Logprob(sampled_logprob, rank), **out}
+        out = {sampled: Logprob(sampled_logprob, rank, text(sampled)), **out}
     return out
+
+
+def _no_text(token_id: int) -> None:
+    return None
 
 
 @attrs.frozen
@@ -174,6 +187,13 @@ class RequestResult:
     logprobs: list[list[tuple[int, float]]] | None = None
     prompt: str | None = None
     prompt_token_logprobs: list[list[tuple[int, float]] | None] | None = None
+    # The stop string or stop token id that ended the request (None otherwise).
+    stop_reason: str | int | None = None
+    # The other samples of its prompt when it asked for n > 1 (LLM.generate): `outputs`
+    # then holds one completion per sample.
+    samples: list[RequestResult] = attrs.field(factory=list, repr=False)
+    # The text of one token id, for Logprob.decoded_token (None: not known).
+    token_text: Callable[[int], str] | None = attrs.field(default=None, eq=False, repr=False)
 
     @property
     def finished(self) -> bool:
@@ -187,19 +207,23 @@ class RequestResult:
         (None unless the request asked for `prompt_logprobs`)."""
         if self.prompt_token_logprobs is None:
             return None
-        return [_candidates(entry) for entry in self.prompt_token_logprobs]
+        return [_candidates(entry, self.token_text) for entry in self.prompt_token_logprobs]
 
     @property
     def outputs(self) -> list[CompletionOutput]:
-        """The request's one completion, in vLLM's shape."""
+        """The request's completions in vLLM's shape: its own, then its samples'."""
+        return [self._completion(0)] + [sample._completion(index)
+                                        for index, sample in enumerate(self.samples, 1)]
+
+    def _completion(self, index: int) -> CompletionOutput:
         logprobs = cumulative = None
         if self.logprobs is not None:
-            logprobs = [_candidates(entry) for entry in self.logprobs]
+            logprobs = [_candidates(entry, self.token_text) for entry in self.logprobs]
             cumulative = sum(entry[0][1] for entry in self.logprobs if entry is not None)
-        return [CompletionOutput(
-            index=0, text=self.text if self.text is not None else "", token_ids=list(self.token_ids),
+        return CompletionOutput(
+            index=index, text=self.text if self.text is not None else "", token_ids=list(self.token_ids),
             cumulative_logprob=cumulative, logprobs=logprobs, finish_reason=self.finish_reason,
-            stop_reason=self.detail or None)]
+            stop_reason=self.stop_reason)
 
     @property
     def metrics(self) -> RequestMetrics:
@@ -219,6 +243,7 @@ class RequestActor:
         "_events", "_waiter", "_consumer", "_accepted", "_error", "_out_tokens", "_out_text",
         "_num_tokens", "_finish_reason", "_detail", "_final_taken", "_abort_sent",
         "_fault", "first_token_s", "_out_logprobs", "_prompt_logprobs", "_prompt_logprobs_sent",
+        "_stop_reason", "_last_token",
     )
 
     def __init__(self, request: Request, params: SamplingParams,
@@ -250,6 +275,8 @@ class RequestActor:
         # One entry per prompt token once any arrived; handed out with the first delta.
         self._prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
         self._prompt_logprobs_sent = False
+        self._stop_reason: str | int | None = None
+        self._last_token: int | None = None
 
     # ---- scheduler side --------------------------------------------------------
     def deliver(self, event: RequestEvent) -> None:
@@ -372,6 +399,8 @@ class RequestActor:
     def _on_tokens(self, tokens, logprobs=None) -> None:
         if self.first_token_s is None:
             self.first_token_s = trio.current_time()
+        if tokens:
+            self._last_token = tokens[-1]
         out_logprobs = self._out_logprobs
         if logprobs is not None and out_logprobs is None:
             # The first log-probabilities of this delta: earlier tokens in it had none.
@@ -384,15 +413,22 @@ class RequestActor:
                 _extend_aligned(out_logprobs, logprobs, 0, len(tokens))
             return
         out_tokens, out_text = self._out_tokens, self._out_text
+        # A stop token (or end-of-sequence) ends the request and is no part of its text,
+        # unless include_stop_str_in_output asks for it (as in vLLM).
+        silent = () if self.params.include_stop_str_in_output else self.request.stop_token_set
         for i, token in enumerate(tokens):
             out_tokens.append(token)
             self._num_tokens += 1
             if out_logprobs is not None:
                 _extend_aligned(out_logprobs, logprobs, i, i + 1)
+            if token in silent:
+                continue
             text, stopped = assembler.push(token)
             if text:
                 out_text.append(text)
             if stopped:
+                self._last_token = token
+                self._stop_reason = assembler.matcher.matched
                 self._end_stream("stop", "stop string")
                 self._send_abort("stop string")
                 return
@@ -405,6 +441,11 @@ class RequestActor:
             self._error = ExecutorError(event.detail or f"request {self.request_id!r} failed")
             self._end_stream("error", event.detail)
             return
+        if reason is FinishReason.STOP:
+            token, params = self._last_token, self.params
+            if token in params.stop_token_ids and (params.ignore_eos
+                                                   or token not in self.request.limits.eos_token_ids):
+                self._stop_reason = token
         if reason is FinishReason.STOP or reason is FinishReason.LENGTH:
             if self._assembler is not None:
                 tail = self._assembler.flush()
@@ -520,7 +561,7 @@ class RequestActor:
         return RequestOutput(self.request_id, tokens, text, self._num_tokens, reason,
                              self._detail if reason is not None else "", self.request.arrival_s,
                              self.first_token_s, trio.current_time(), self.request.num_cached_tokens,
-                             logprobs, prompt_logprobs)
+                             logprobs, prompt_logprobs, self._stop_reason if reason is not None else None)
 
 
 def join_logprobs(deltas: Iterable[tuple[int, list | None]]) -> list | None:

@@ -51,7 +51,7 @@ def _library():
     except ImportError as exc:
         raise StructuredOutputError(
             f"structured output needs the {LIBRARY} package, which is not installed "
-            f"(pip install 'cadence[structured]'): {exc}", "response_format") from None
+            f"(pip install 'cadence[structured]'): {exc}", "structured_output") from None
     return xgrammar
 
 
@@ -68,7 +68,7 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
         return "bytes"
     raise StructuredOutputError(
         f"structured output needs a Hugging Face tokenizer (tokenizer.json) or the byte tokenizer; "
-        f"this engine has {type(tokenizer).__name__}", "response_format")
+        f"this engine has {type(tokenizer).__name__}", "structured_output")
 
 
 def _tokenizer_info(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]):

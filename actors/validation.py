@@ -22,10 +22,10 @@ from typing import Sequence, Union
 import attrs
 
 from cadence.statemachine.errors import ConfigError, InvalidRequestError, RequestTooLongError
-from cadence.statemachine.sampling import MAX_INT64, SamplingParams
+from cadence.statemachine.sampling import MAX_INT64, MAX_LOGPROBS, SamplingParams
 
 __all__ = [
-    "Prompt", "RequestLimits", "validate_request", "check_token_ids", "check_prompt_bytes",
+    "Prompt", "RequestLimits", "REQUEST_LIMIT_NAMES", "validate_request", "plural", "check_fits", "check_token_ids", "check_prompt_bytes",
     "check_prompt_num_bytes",
     "DEFAULT_MAX_STOP_STRINGS", "DEFAULT_MAX_STOP_CHARS", "MAX_TENANT_CHARS",
     "MAX_CACHE_SALT_CHARS",
@@ -44,6 +44,10 @@ Prompt = Union[str, Sequence[int]]
 def _at_least_one(instance, attribute, value) -> None:
     if value is not None and value < 1:
         raise ConfigError(f"{attribute.name} must be >= 1 (or None), got {value!r}")
+
+
+# The request limits Welcome.limits reports, beside the connection limits.
+REQUEST_LIMIT_NAMES = ("max_stop_strings", "max_stop_chars", "max_logprobs")
 
 
 @attrs.frozen
@@ -73,6 +77,10 @@ class RequestLimits:
         if self.max_bytes_per_token is None:
             return None
         return (self.max_model_len - 1) * self.max_bytes_per_token
+
+    def welcome_limits(self) -> dict[str, int | None]:
+        """The request limits a server reports in Welcome.limits (PROTOCOL.md §5.1)."""
+        return dict(zip(REQUEST_LIMIT_NAMES, (self.max_stop_strings, self.max_stop_chars, MAX_LOGPROBS)))
 
     @classmethod
     def from_welcome(cls, welcome) -> RequestLimits:
@@ -124,7 +132,7 @@ def validate_request(
                                       f"got {type(prompt).__name__}")
         if len(prompt) == 0:
             raise InvalidRequestError("prompt must hold at least one token")
-        _check_fits(len(prompt), num_output, limits.max_model_len)
+        check_fits(len(prompt), num_output, limits.max_model_len)
         check_token_ids("prompt", prompt, limits.vocab_size)
     return params
 
@@ -138,6 +146,13 @@ def _check_params(params: SamplingParams, limits: RequestLimits) -> None:
         if wanted is not None and wanted > vocab:
             raise InvalidRequestError(f"{field} must be at most vocab_size={vocab}, got {wanted}")
     check_token_ids("stop_token_ids", params.stop_token_ids, vocab)
+    check_token_ids("logit_bias", [token for token, _ in params.logit_bias], vocab)
+    check_token_ids("allowed_token_ids", params.allowed_token_ids or (), vocab)
+    for word in params.bad_words_token_ids:
+        check_token_ids("bad_words_token_ids", word, vocab)
+    if params.bad_words and not limits.has_tokenizer:
+        raise InvalidRequestError("bad_words need a tokenizer; this engine has none (send "
+                                  "bad_words_token_ids instead)")
     stops = params.stop
     if not stops:
         return
@@ -180,12 +195,21 @@ def _finite(value: object) -> bool:
         return False
 
 
-def _check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+def plural(count: int, noun: str) -> str:
+    """"1 token", "2 tokens": a count as a message says it."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int,
+               cache_tokens: int | None = None) -> None:
+    """A prompt of this many tokens and max_tokens more fit max_model_len (and the
+    KV cache's `cache_tokens`, when given); else RequestTooLongError saying so."""
     total = num_prompt_tokens + max_tokens
+    counts = f"prompt has {plural(num_prompt_tokens, 'token')} and max_tokens is {max_tokens}, {total} in all"
     if total > max_model_len:
-        raise RequestTooLongError(
-            f"prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}, {total} in "
-            f"all; max_model_len is {max_model_len}")
+        raise RequestTooLongError(f"{counts}; max_model_len is {max_model_len}")
+    if cache_tokens is not None and total > cache_tokens:
+        raise RequestTooLongError(f"{counts}; the KV cache holds {cache_tokens} tokens")
 
 
 def check_token_ids(field: str, token_ids: Sequence[int], vocab_size: int) -> None:

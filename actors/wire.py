@@ -164,12 +164,12 @@ def _number_map(value: object, path: str) -> dict[str, int | float | None]:
 # ---------------------------------------------------------------------------
 # Sampling parameters: any subset of SamplingParams' fields; the rest default.
 
-_SAMPLING_INTS = ("max_tokens", "min_tokens", "top_k")
-_SAMPLING_OPTIONAL_INTS = ("seed", "logprobs", "prompt_logprobs")
+_SAMPLING_INTS = ("max_tokens", "min_tokens", "top_k", "n")
+_SAMPLING_OPTIONAL_INTS = ("seed", "logprobs", "prompt_logprobs", "best_of", "truncate_prompt_tokens")
 _SAMPLING_FLOATS = (
     "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
 )
-_SAMPLING_BOOLS = ("ignore_eos", "include_stop_str_in_output")
+_SAMPLING_BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 _SAMPLING_FIELDS = frozenset(f.name for f in attrs.fields(SamplingParams))
 _DEFAULT_SAMPLING = SamplingParams()
 
@@ -181,7 +181,7 @@ def sampling_to_wire(params: SamplingParams) -> dict[str, Any]:
         value = getattr(params, name)
         if value != getattr(_DEFAULT_SAMPLING, name):
             if isinstance(value, tuple):
-                value = list(value)
+                value = [list(item) if isinstance(item, tuple) else item for item in value]
             elif isinstance(value, StructuredOutput):
                 value = {"kind": value.kind, "spec": value.spec}
             out[name] = value
@@ -205,7 +205,18 @@ def _sampling_values(value: object, path: str) -> dict[str, Any]:
             fields[name] = _bool(item, where)
         elif name == "stop":
             # A bare str is one stop string, as in the embedded API.
-            fields[name] = item if type(item) is str else _strs(item, where)
+            fields[name] = item if type(item) is str or item is None else _strs(item, where)
+        elif name == "stop_token_ids":
+            fields[name] = _optional(_int_array, item, where)  # nil is none, as in vLLM
+        elif name == "bad_words":
+            fields[name] = _strs(item, where)
+        elif name == "logit_bias":
+            # [[token id, bias], ...] or {token id: bias}; SamplingParams checks the entries.
+            fields[name] = item if isinstance(item, dict) else _list(item, where)
+        elif name == "allowed_token_ids":
+            fields[name] = _optional(_int_array, item, where)
+        elif name == "bad_words_token_ids":
+            fields[name] = [_int_array(word, f"{where}[{i}]") for i, word in enumerate(_list(item, where))]
         elif name == "structured_output":
             fields[name] = _optional(_structured_output, item, where)
         else:

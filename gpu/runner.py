@@ -39,7 +39,7 @@ from .cuda_graphs import DecodeGraphs, DecodeInputs, StagingBuffer, graph_batch_
 from .worklist import BalanceConfig
 from .loader import load_weights
 from .model import build_model, init_random_weights
-from .sampler import Sampler
+from .sampler import Sampler, restricted
 from .threads import AUTO, pin_compute_threads, resolve_num_threads, set_num_threads
 
 _log = logging.getLogger("cadence.gpu")
@@ -796,7 +796,7 @@ class ModelRunner:
             request_id, token_ids, num_prompt_tokens, [], num_computed_tokens, params,
             row=self._take_row(),
             plain_greedy=(params.greedy and not penalised and params.logprobs is None
-                          and params.structured_output is None),
+                          and params.structured_output is None and not restricted(params)),
             penalised=penalised,
             num_masked_outputs=params.min_tokens if has_stops else 0,
         )

@@ -3,7 +3,8 @@
 Order of operations per row, as in Hugging Face generation: the token mask of
 a structured output (a bitmask of the allowed tokens), stop tokens masked while
 `min_tokens` is not reached (unless that would leave a constrained row no
-token: the grammar wins), penalties, temperature, top-k, top-p, min-p, then a
+token: the grammar wins), `allowed_token_ids`, `logit_bias` and `bad_words`
+(vLLM's logits processors), penalties, temperature, top-k, top-p, min-p, then a
 draw. Penalties follow the usual conventions: the repetition penalty
 covers prompt and output tokens, presence and frequency penalties only output
 tokens.
@@ -54,6 +55,11 @@ def _token_table(rows: Sequence[Sequence[int]], vocab_size: int, device) -> torc
     ids = ids.to(device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
     return counts[:, :vocab_size]
+
+
+def restricted(params: SamplingParams) -> bool:
+    """Whether a row has allowed_token_ids, logit_bias or bad words to apply."""
+    return bool(params.logit_bias or params.allowed_token_ids is not None or params.bad_words_token_ids)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -148,6 +154,7 @@ class Sampler:
             # min_tokens masked the only tokens the grammar allows (its end): the grammar wins.
             emptied = torch.isneginf(logits).all(dim=-1, keepdim=True)
             logits = torch.where(emptied, constrained, logits)
+        logits = self._restrict(logits, params, output_token_ids)
         logits = self._penalise(logits, params, prompt_token_ids, output_token_ids)
         tokens = logits.argmax(dim=-1)
         if not all(p.greedy for p in params):
@@ -167,6 +174,32 @@ class Sampler:
             return logits
         logits = logits.clone()
         logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+        return logits
+
+    def _restrict(self, logits, params, output_token_ids) -> torch.Tensor:
+        """Rows with allowed_token_ids keep only those; logit_bias is added; a bad
+        word's last token is banned where the output ends with the rest of it."""
+        rows = [i for i, p in enumerate(params) if restricted(p)]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:
+            p, row = params[i], logits[i]
+            if p.allowed_token_ids is not None:
+                keep = torch.full_like(row, float("-inf"))
+                allowed = torch.tensor(p.allowed_token_ids, device=row.device)
+                keep[allowed] = row[allowed]
+                row = logits[i] = keep
+            if p.logit_bias:
+                tokens = torch.tensor([token for token, _ in p.logit_bias], device=row.device)
+                row[tokens] += torch.tensor([bias for _, bias in p.logit_bias], device=row.device,
+                                            dtype=row.dtype)
+            output = output_token_ids[i]
+            for word in p.bad_words_token_ids:
+                prefix = word[:-1]
+                if not prefix or (len(output) >= len(prefix)
+                                  and list(output[len(output) - len(prefix):]) == list(prefix)):
+                    row[word[-1]] = float("-inf")
         return logits
 
     def _penalise(self, logits, params, prompt_token_ids, output_token_ids) -> torch.Tensor:

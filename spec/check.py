@@ -25,6 +25,10 @@ from typing import Callable
 
 import attrs
 
+from cadence.statemachine.config import SchedulerConfig
+from cadence.statemachine.errors import ConfigError
+from cadence.statemachine.policy import make_policy
+
 from .coverage import format_table
 from .explore import CI_SCOPES, SCOPES, explore
 from .liveness import find_starvation
@@ -128,6 +132,10 @@ def _indent(text: str) -> str:
     return "\n".join("    " + line if line else "" for line in text.splitlines())
 
 
+# Exit status of a command line that names something that does not exist (as argparse's).
+USAGE_ERROR = 2
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `cadence check`; returns the exit status."""
     parser = argparse.ArgumentParser(
@@ -150,6 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args(argv)
     policies = args.policy or list(BUILT_IN[:4])
+    for policy in policies:
+        # A policy that cannot be loaded is a usage error, not a finding of the checks.
+        try:
+            make_policy(SchedulerConfig(policy=policy))
+        except ConfigError as exc:
+            print(f"cadence check: {exc}", file=sys.stderr)
+            return USAGE_ERROR
     env_scope = os.environ.get("CADENCE_SPEC_SCOPE")
     scopes = args.scope or ([env_scope] if env_scope else list(CI_SCOPES))
     verdicts = []

@@ -26,8 +26,8 @@ class RequestTooLongError(InvalidRequestError):
 
 class StructuredOutputError(InvalidRequestError):
     """A request's structured output cannot be compiled (a bad JSON schema, regular
-    expression or grammar); `field` names the request field that holds it
-    ("response_format", "regex" or "grammar")."""
+    expression or grammar); `field` is what the message names ("structured_output",
+    "regex" or "grammar"; the HTTP API puts its own field's name in its place)."""
 
     def __init__(self, message: str, field: str) -> None:
         super().__init__(message)

@@ -24,6 +24,7 @@ from .request import SamplingLimits
 
 __all__ = [
     "SamplingParams", "StructuredOutput", "STRUCTURED_OUTPUT_KINDS", "MAX_STRUCTURED_OUTPUT_CHARS",
+    "MAX_N", "MAX_LOGIT_BIAS",
     "SAMPLING_RANGES", "MAX_LOGPROBS", "MIN_TEMPERATURE",
     "MIN_REPETITION_PENALTY", "MAX_REPETITION_PENALTY", "MAX_PENALTY", "MAX_INT64", "MIN_SEED", "MAX_SEED",
 ]
@@ -46,6 +47,10 @@ MIN_REPETITION_PENALTY = 1e-2
 MAX_REPETITION_PENALTY = 100.0
 # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY].
 MAX_PENALTY = 2.0
+# Samples of one prompt (`n`), as the HTTP API allows per request.
+MAX_N = 128
+# A logit_bias value lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], as OpenAI's does.
+MAX_LOGIT_BIAS = 100.0
 
 
 # What a structured output may constrain the text to: any JSON object, JSON valid
@@ -99,6 +104,9 @@ SAMPLING_RANGES: dict[str, tuple[str, float, float, str]] = {
     "seed": ("int?", MIN_SEED, MAX_SEED, "None or in [-2^63, 2^64 - 1]"),
     "logprobs": ("int?", 0, MAX_LOGPROBS, f"None or in [0, {MAX_LOGPROBS}]"),
     "prompt_logprobs": ("int?", 0, MAX_LOGPROBS, f"None or in [0, {MAX_LOGPROBS}]"),
+    "n": ("int", 1, MAX_N, f"in [1, {MAX_N}]"),
+    "best_of": ("int?", 1, MAX_N, f"None or in [1, {MAX_N}] (equal to n)"),
+    "truncate_prompt_tokens": ("int?", 1, MAX_INT64, "None or >= 1 (keep the prompt's last k tokens)"),
 }
 
 
@@ -161,8 +169,9 @@ class StructuredOutput:
     the schema as JSON text), "regex" (`spec` is a regular expression the whole
     output matches) or "grammar" (`spec` is an EBNF grammar whose start rule is
     `root`). Once the text is complete, only end-of-sequence may follow, so the
-    request ends with finish_reason "stop". The field that carries it in a request
-    (`field`) names it in errors: "response_format" for JSON, else the kind.
+    request ends with finish_reason "stop". Errors name it by `field`:
+    "structured_output" (the SamplingParams and msgpack field) for JSON, else the
+    kind; the HTTP API names its own field instead (`response_format`, ...).
     """
 
     kind: str
@@ -184,8 +193,8 @@ class StructuredOutput:
 
     @property
     def field(self) -> str:
-        """The request field that holds this constraint: "response_format", "regex" or "grammar"."""
-        return "response_format" if self.kind.startswith("json") else self.kind
+        """What errors about this constraint name: "structured_output", "regex" or "grammar"."""
+        return "structured_output" if self.kind.startswith("json") else self.kind
 
     @classmethod
     def json_schema(cls, schema: Mapping | str) -> StructuredOutput:
@@ -196,13 +205,13 @@ class StructuredOutput:
             try:
                 schema = json.loads(schema)
             except ValueError as exc:
-                raise InvalidRequestError(f"response_format: the schema is not JSON: {exc}") from None
+                raise InvalidRequestError(f"structured_output: the schema is not JSON: {exc}") from None
         if not isinstance(schema, Mapping):
-            raise _refuse("response_format", "a JSON schema object", schema)
+            raise _refuse("structured_output", "a JSON schema object", schema)
         try:
             text = json.dumps(schema, separators=(",", ":"), allow_nan=False)
         except (TypeError, ValueError) as exc:
-            raise InvalidRequestError(f"response_format: the schema is not JSON: {exc}") from None
+            raise InvalidRequestError(f"structured_output: the schema is not JSON: {exc}") from None
         return cls("json_schema", text)
 
 
@@ -213,6 +222,59 @@ def _structured_output(value: object) -> StructuredOutput | None:
     if isinstance(value, Mapping) and set(value) <= {"kind", "spec"} and "kind" in value:
         return StructuredOutput(**value)
     raise _refuse("structured_output", "a StructuredOutput, a {kind, spec} map or None", value)
+
+
+def _top_k(value: object) -> object:
+    # vLLM spells "no top-k" as -1; Cadence as 0.
+    return 0 if value == -1 and type(value) is int else value
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """{token id: bias} (keys may be digit strings, as JSON carries them) or
+    (token id, bias) pairs, kept as sorted pairs."""
+    if value is None:
+        return ()
+    items = value.items() if isinstance(value, Mapping) else _as_tuple("logit_bias", value)
+    pairs = {}
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise _refuse("logit_bias", "a map of token ids to numbers", value)
+        token, bias = item
+        if isinstance(token, str) and token.isdigit():
+            token = int(token)
+        token = _as_int("logit_bias", token)
+        if not 0 <= token <= MAX_INT64:
+            raise _refuse("logit_bias", "keyed by token ids in [0, vocab_size)", token)
+        bias = _as_float("logit_bias", bias)
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise _refuse("logit_bias", f"values in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]", bias)
+        pairs[token] = bias
+    return tuple(sorted(pairs.items()))
+
+
+def _allowed_token_ids(value: object) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    tokens = tuple(_as_int("allowed_token_ids", item) for item in _as_tuple("allowed_token_ids", value))
+    if not tokens:
+        raise _refuse("allowed_token_ids", "None or a non-empty list of token ids", list(tokens))
+    for token in tokens:
+        if not 0 <= token <= MAX_INT64:
+            raise _refuse("allowed_token_ids", "token ids in [0, vocab_size)", token)
+    return tokens
+
+
+def _bad_words(value: object) -> tuple[str, ...]:
+    items = _as_tuple("bad_words", value)
+    for item in items:
+        if type(item) is not str or not item:
+            raise _refuse("bad_words", "non-empty strings", item)
+    return items
+
+
+def _bad_words_token_ids(value: object) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(_as_int("bad_words_token_ids", t) for t in _as_tuple("bad_words_token_ids", word))
+                 for word in _as_tuple("bad_words_token_ids", value))
 
 
 @attrs.frozen
@@ -232,12 +294,21 @@ class SamplingParams:
     construction (`SAMPLING_RANGES`).
     `max_tokens=None` means up to the engine's max_model_len (the engine fills it
     in per request, with `bounded`).
+
+    vLLM's names too: `n` samples of the prompt (`best_of`, if given, equals n;
+    `LLM.generate` and the HTTP API run them as one request group, a single
+    engine request takes n=1), `top_k=-1` for no top-k, `logit_bias` ({token id:
+    bias} added to the logits), `allowed_token_ids` (only these may be sampled),
+    `bad_words` (never generated: the engine tokenises each, with and without a
+    leading space, into `bad_words_token_ids`), `skip_special_tokens` (False keeps
+    special tokens in the text) and `truncate_prompt_tokens` (only the prompt's
+    last k tokens are used).
     """
 
     max_tokens: int | None = 16
     min_tokens: int = 0
     temperature: float = 1.0
-    top_k: int = 0
+    top_k: int = attrs.field(default=0, converter=_top_k)
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
@@ -251,6 +322,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_stop_token_ids)
     include_stop_str_in_output: bool = False
     structured_output: StructuredOutput | None = attrs.field(default=None, converter=_structured_output)
+    n: int = 1
+    best_of: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_logit_bias)
+    allowed_token_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_allowed_token_ids)
+    bad_words: tuple[str, ...] = attrs.field(default=(), converter=_bad_words)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = attrs.field(default=(), converter=_bad_words_token_ids)
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
 
     def __attrs_post_init__(self) -> None:
         for field, is_float, optional, low, high, text in _RANGES:
@@ -269,12 +348,22 @@ class SamplingParams:
             raise _refuse("temperature", SAMPLING_RANGES["temperature"][3], self.temperature)
         if self.top_p == 0.0:
             raise _refuse("top_p", SAMPLING_RANGES["top_p"][3], self.top_p)
-        for field in ("ignore_eos", "include_stop_str_in_output"):
+        if self.best_of is not None and self.best_of != self.n:
+            raise _refuse("best_of", f"equal to n ({self.n}) here", self.best_of)
+        for field in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if type(getattr(self, field)) is not bool:
                 raise _refuse(field, "a bool", getattr(self, field))
         if self.structured_output is not None and self.ignore_eos:
             raise InvalidRequestError(f"ignore_eos cannot be combined with {self.structured_output.field}: "
                                       f"a complete structured output can only end")
+
+    def samples(self) -> list[SamplingParams]:
+        """The parameters of each of the n samples (n=1 each, best_of cleared); a
+        seeded sample i draws with seed + i, so the samples differ."""
+        if self.n == 1:
+            return [self if self.best_of is None else attrs.evolve(self, best_of=None)]
+        return [attrs.evolve(self, n=1, best_of=None, seed=None if self.seed is None else self.seed + i)
+                for i in range(self.n)]
 
     @property
     def greedy(self) -> bool:

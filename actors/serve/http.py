@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API, served from the same engine as the msgpack protocol.
 
     POST /v1/completions, POST /v1/chat/completions   (JSON, or server-sent events)
-    GET /v1/models, /health, /metrics, /version
+    POST /tokenize, /detokenize                        (vLLM's shapes)
+    GET /v1/models, /v1/models/{id}, /health, /metrics, /version   (and HEAD)
+    OPTIONS (CORS preflight for --allowed-origins)
 
 `cadence serve` runs it beside the msgpack listener (`--http-port`, default
 8000). It is an `HttpServer` bound to the msgpack `Server`: the same engine,
@@ -37,6 +39,7 @@ import os
 import re
 import time
 from collections import Counter
+import urllib.parse
 from http import HTTPStatus
 from importlib import metadata
 from typing import Callable
@@ -45,22 +48,25 @@ import attrs
 import h11
 import trio
 
-from cadence.statemachine.errors import CadenceError, ConfigError, PoisonRequestError
+from cadence.statemachine.errors import CadenceError, ConfigError, PoisonRequestError, StructuredOutputError
 
 from ..chat import MAX_MESSAGES
+from ..detokenizer import token_text_function
 from ..wire import ErrorCode
 from .openai_api import (
-    POISON_STATUS, ApiError, ApiRequest, Choice, ChunkEncoder, completion_body, parse_request,
-    status_of, usage_of,
+    POISON_STATUS, ApiError, ApiRequest, Choice, ChunkEncoder, completion_body, detokenize,
+    http_structured_message, parse_request, status_of, tokenize, usage_of,
 )
 from .connection import _CAPACITY_ERRNOS, _linger_and_close, positive
 from .identity import TOKEN68, IdentityError, KeyGrant
+from .tools import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
 from .server import Server, _engine_error_code, _StreamState, read_secret_file, tokens_match
 
 __all__ = ["DEFAULT_HTTP_PORT", "HttpConfig", "HttpServer", "serve_http", "add_http_arguments",
            "http_config_from_args"]
 
 _log = logging.getLogger("cadence.http")
+_access_log = logging.getLogger("cadence.http.access")
 
 DEFAULT_HTTP_PORT = 8000
 # Largest request head (request line and headers) and body accepted.
@@ -100,6 +106,10 @@ _WATCHDOG_CHECKS = 4
 _JSON = [(b"content-type", b"application/json")]
 _EVENT_STREAM = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 _GENERATION_PATHS = {"/v1/completions": False, "/v1/chat/completions": True}
+_TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize"})
+_ALLOWED_METHODS = b"GET, HEAD, POST, OPTIONS"
+# How long a browser may keep a CORS preflight's answer.
+CORS_MAX_AGE_S = 600
 # Health statuses of a server that takes no requests (GET /health answers 503).
 _NOT_SERVING = frozenset({"draining", "closed"})
 
@@ -112,6 +122,11 @@ def _port(instance, attribute, value) -> None:
 def _positive(instance, attribute, value) -> None:
     if not value > 0:
         raise ConfigError(f"{attribute.name} must be > 0, got {value!r}")
+
+
+def _tool_call_parser(instance, attribute, value) -> None:
+    if value not in TOOL_CALL_PARSERS:
+        raise ConfigError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {value!r}")
 
 
 @attrs.frozen
@@ -131,6 +146,11 @@ class HttpConfig:
     min_body_bytes_per_s: after `head_timeout_s` of grace from the head, the body
       must keep arriving at least this fast on average.
     metrics_public: /metrics answers without the API key.
+    tool_call_parser: how tool calls are read out of an "auto" answer: "tags"
+      (JSON in <tool_call> tags) or "json" (the answer is the call); see tools.py.
+    allowed_origins: origins whose browser pages may call the API (CORS; "*" any).
+    strict_fields: refuse a request field this server does not know (400 naming
+      it) instead of ignoring it and logging its name once.
     A peer whose requests are refused (4xx) has its next ones read only after the
     time their bytes take at the server's `refused_bytes_per_s`.
     The other connection limits are the msgpack server's: its `max_connections`
@@ -151,6 +171,9 @@ class HttpConfig:
     min_body_bytes_per_s: float = attrs.field(default=DEFAULT_MIN_BODY_BYTES_PER_S,
                                               validator=_positive)
     metrics_public: bool = False
+    strict_fields: bool = False
+    allowed_origins: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    tool_call_parser: str = attrs.field(default=DEFAULT_TOOL_CALL_PARSER, validator=_tool_call_parser)
 
     def __attrs_post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
@@ -189,6 +212,11 @@ class _Exchange:
         # Called with the size of each read while a request arrives (moves its deadline).
         self.on_bytes: Callable[[int], None] | None = None
         self._num_events = 0
+        # The response in progress answers HEAD (its head only) and carries these
+        # headers too (CORS).
+        self.head_only = False
+        self.response_headers: list = []
+        self.status: int | None = None  # of the response in progress, once its head is sent
 
     async def next_event(self):
         """The next h11 event, reading from the socket as needed; after every
@@ -208,7 +236,19 @@ class _Exchange:
 
     async def send(self, *events) -> None:
         """Write h11 events; raises _ClientGone if the client is gone."""
-        await self.send_bytes(b"".join(self.conn.send(event) for event in events))
+        await self.send_bytes(b"".join(self.conn.send(event) for event in map(self._finish, events)
+                                       if event is not None))
+
+    def _finish(self, event):
+        """A response head with the exchange's extra headers; no body for HEAD."""
+        if isinstance(event, h11.Response):
+            self.status = event.status_code
+        if isinstance(event, h11.Response) and self.response_headers:
+            return h11.Response(status_code=event.status_code, reason=event.reason,
+                                headers=[*event.headers, *self.response_headers])
+        if self.head_only and isinstance(event, h11.Data):
+            return None
+        return event
 
     async def send_bytes(self, data: bytes) -> None:
         """Write bytes already framed; raises _ClientGone if the client is gone."""
@@ -283,7 +323,8 @@ class HttpServer:
         self.live: dict[str, Choice] = {}  # by request id, from admission to release
         self._none_live = trio.Event()  # set when `live` empties (see wait_released)
         self.chat = server.chat
-        self.token_text = _token_text_function(self.engine.tokenizer)
+        self.token_text = token_text_function(self.engine.tokenizer)
+        self.ignored_fields: set[str] = set()  # unknown request fields already logged
         self._num_requests = 0
         self._created = int(time.time())
 
@@ -486,7 +527,8 @@ class HttpServer:
         return False
 
     async def _read_request(self, exchange: _Exchange, request: h11.Request):
-        """The method, path, the values of its Authorization headers, and its body;
+        """The method, path, headers (by lower-case name), the values of its Authorization
+        headers, and its body;
         None after refusing the body as it arrives (see `_BodyCheck`: 413 or 400, and
         the connection closes)."""
         headers = {name.lower(): value for name, value in request.headers}
@@ -512,29 +554,45 @@ class HttpServer:
             await _linger_and_close(exchange.stream)
             return None
         authorization = [value for name, value in request.headers if name == b"authorization"]
-        return request.method.decode("ascii", "replace"), path, authorization, bytes(body)
+        return request.method.decode("ascii", "replace"), path, headers, authorization, bytes(body)
 
-    async def _respond(self, exchange: _Exchange, method: str, path: str,
+    async def _respond(self, exchange: _Exchange, method: str, path: str, headers: dict,
                        authorization: list[bytes], body: bytes) -> None:
+        started_s = trio.current_time()
+        exchange.status = None
         try:
+            await self._route(exchange, method, path, headers, authorization, body)
+        finally:
+            # One line per request (logger cadence.http.access): what, its answer, how long.
+            _access_log.info("%s %s %s %.3f s", method, path[:200], exchange.status or "-",
+                             trio.current_time() - started_s)
+
+    async def _route(self, exchange: _Exchange, method: str, path: str, headers: dict,
+                     authorization: list[bytes], body: bytes) -> None:
+        exchange.head_only = method == "HEAD"
+        exchange.response_headers = self._cors_headers(headers)
+        if method == "HEAD":
+            method = "GET"  # answered as GET, without the body
+        try:
+            if method == "OPTIONS":
+                await self._preflight(exchange, headers)
+                return
             grant = None
-            if path.startswith("/v1/") or (path == "/metrics" and not self.config.metrics_public):
+            if (path.startswith("/v1/") or path in _TOKENIZER_PATHS
+                    or (path == "/metrics" and not self.config.metrics_public)):
                 grant = self._authenticate(authorization)
             if path in _GENERATION_PATHS:
                 _allow(method, "POST")
                 await self._generate(exchange, body, _GENERATION_PATHS[path], grant)
-            elif path == "/v1/models":
+            elif path.startswith("/v1/models/"):
                 _allow(method, "GET")
-                await exchange.send_json(200, self._models())
-            elif path == "/health":
+                await exchange.send_json(200, self._model(path[len("/v1/models/"):]))
+            elif path in _TOKENIZER_PATHS:
+                _allow(method, "POST")
+                await self._tokenizer_route(exchange, path, body)
+            elif path in _GET_ROUTES:
                 _allow(method, "GET")
-                await self._health(exchange)
-            elif path == "/metrics":
-                _allow(method, "GET")
-                await self._metrics(exchange)
-            elif path == "/version":
-                _allow(method, "GET")
-                await exchange.send_json(200, {"version": _version()})
+                await _GET_ROUTES[path](self, exchange)
             else:
                 raise ApiError(404, f"no route {path}", code="not_found")
         except ApiError as error:
@@ -587,13 +645,66 @@ class HttpServer:
             raise ApiError(401, "wrong API key", code="invalid_api_key")
         return grant
 
+    def _cors_headers(self, headers: dict) -> list:
+        """The CORS headers of a response to a request from an allowed origin."""
+        origin = headers.get(b"origin")
+        allowed = self.config.allowed_origins
+        if origin is None or not allowed:
+            return []
+        if "*" in allowed:
+            return [(b"access-control-allow-origin", b"*")]
+        if origin.decode("latin-1") in allowed:
+            return [(b"access-control-allow-origin", origin), (b"vary", b"origin")]
+        return []
+
+    async def _preflight(self, exchange: _Exchange, headers: dict) -> None:
+        """OPTIONS: the methods this server takes, and for an allowed origin's CORS
+        preflight the methods and headers it may send (no key needed, as browsers
+        send none with a preflight)."""
+        extra = [(b"allow", _ALLOWED_METHODS)]
+        if exchange.response_headers:
+            requested = headers.get(b"access-control-request-headers", b"authorization, content-type")
+            extra += [(b"access-control-allow-methods", _ALLOWED_METHODS),
+                      (b"access-control-allow-headers", requested),
+                      (b"access-control-max-age", str(CORS_MAX_AGE_S).encode())]
+        await exchange.send(_response(204, extra), h11.EndOfMessage())
+
     # ---- small endpoints ---------------------------------------------------------
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "cadence",
+                "root": self.engine.config.model, "max_model_len": self.engine.core.config.max_model_len,
+                "vocab_size": self.engine.vocab_size}
+
     def _models(self) -> dict:
-        return {"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self._created, "owned_by": "cadence",
-            "root": self.engine.config.model, "max_model_len": self.engine.core.config.max_model_len,
-            "vocab_size": self.engine.vocab_size,
-        }]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    def _model(self, model_id: str) -> dict:
+        """GET /v1/models/{id}: the served model's card, or 404."""
+        model_id = urllib.parse.unquote(model_id)
+        if model_id != self.model_name:
+            raise ApiError(404, f"the model {model_id[:200]!r} does not exist; this server serves "
+                                f"{self.model_name!r}", param="model", code="model_not_found")
+        return self._model_card()
+
+    async def _tokenizer_route(self, exchange: _Exchange, path: str, body: bytes) -> None:
+        """POST /tokenize (a prompt or a chat's messages to token ids) and /detokenize
+        (token ids to text), in vLLM's shapes."""
+        payload = await self._json_body(body)
+        if path == "/tokenize":
+            answer = await tokenize(payload, self)
+        else:
+            answer = detokenize(payload, self)
+        await exchange.send_json(200, answer)
+
+    async def _json_body(self, body: bytes) -> object:
+        """A request body's JSON, checked before any field is read (see `decode_body`)."""
+        return await self.server.run_sized(len(body), decode_body, body)
+
+    async def _list_models(self, exchange: _Exchange) -> None:
+        await exchange.send_json(200, self._models())
+
+    async def _version_route(self, exchange: _Exchange) -> None:
+        await exchange.send_json(200, {"version": _version()})
 
     async def _health(self, exchange: _Exchange) -> None:
         reply = self.server.health(0)
@@ -619,7 +730,7 @@ class HttpServer:
     async def _generate(self, exchange: _Exchange, body: bytes, chat: bool,
                         grant: KeyGrant | None) -> None:
         try:
-            payload = await self.server.run_sized(len(body), decode_body, body)
+            payload = await self._json_body(body)
             request = await parse_request(payload, chat, self)
         except ApiError as exc:
             if exc.status == 400:
@@ -666,16 +777,16 @@ class HttpServer:
         choices: list[Choice] = []
         options = dict(priority=request.priority, tenant=request.tenant, deadline_s=request.deadline_s,
                        cache_salt=request.cache_salt)
+        samples = request.samples()
         for prompt_index, prompt in enumerate(request.prompts):
             request_ids = []
             for _ in range(request.n):
                 self._num_requests += 1
                 request_ids.append(f"h{self._num_requests}")
             # With n > 1 the samples are one request group: the prompt is computed once.
-            streams = (self.engine.generate_group(
-                prompt, [request.params_for(sample) for sample in range(request.n)],
-                request_ids=request_ids, **options) if request.n > 1
-                else [self.engine.generate(prompt, request.params_for(0), request_id=request_ids[0],
+            streams = (self.engine.generate_group(prompt, samples, request_ids=request_ids, **options)
+                       if request.n > 1
+                else [self.engine.generate(prompt, samples[0], request_id=request_ids[0],
                                            **options)])
             for request_id, stream in zip(request_ids, streams):
                 state = _StreamState(len(choices), tenant=request.tenant, request_id=request_id,
@@ -702,7 +813,7 @@ class HttpServer:
         except CadenceError as exc:
             code = _engine_error_code(exc, self.server.draining)
             self._reject(code.value)
-            raise _api_error(exc, self.server.draining) from None
+            raise _api_error(exc, self.server.draining, request) from None
 
     async def _admitted(self, request: ApiRequest, choice: Choice) -> None:
         await choice.stream.start()
@@ -850,6 +961,8 @@ async def _refuse(stream: trio.SocketStream, error: ApiError) -> None:
     finally:
         with trio.CancelScope(shield=True):
             await stream.aclose()
+_GET_ROUTES = {"/v1/models": HttpServer._list_models, "/health": HttpServer._health,
+               "/metrics": HttpServer._metrics, "/version": HttpServer._version_route}
 
 
 def _response(status: int, headers: list) -> h11.Response:
@@ -864,12 +977,16 @@ def _event(body: dict) -> bytes:
     return b"data: " + json.dumps(body, separators=(",", ":")).encode("utf-8") + b"\n\n"
 
 
-def _api_error(exc: CadenceError, draining: bool) -> ApiError:
+def _api_error(exc: CadenceError, draining: bool, request: ApiRequest | None = None) -> ApiError:
     """An engine error as an HTTP error, classified as the msgpack server classifies it
-    (a poison keeps the msgpack code and carries the flag, see ApiError)."""
+    (a poison keeps the msgpack code and carries the flag, see ApiError); a structured
+    output the library refuses names the request's own field."""
     code = _engine_error_code(exc, draining)
     if isinstance(exc, PoisonRequestError):
         return ApiError(POISON_STATUS, str(exc), code=code.value, poison=True)
+    if isinstance(exc, StructuredOutputError) and request is not None and request.structured_field:
+        name = request.structured_field
+        return ApiError(status_of(code), http_structured_message(str(exc), name), code=code.value, param=name)
     param = "prompt" if code is ErrorCode.REQUEST_TOO_LONG else getattr(exc, "field", None)
     return ApiError(status_of(code), str(exc), code=code.value, param=param)
 
@@ -1017,17 +1134,6 @@ def _allow(method: str, allowed: str) -> None:
         raise ApiError(405, f"method {method} is not allowed here; use {allowed}", code="method_not_allowed")
 
 
-def _token_text_function(tokenizer) -> Callable[[int], str]:
-    """The text of one token id, special tokens spelled out (for logprobs)."""
-    if tokenizer is None:
-        return lambda token_id: f"token_id:{token_id}"
-    try:
-        tokenizer.decode([0], skip_special_tokens=False)
-    except TypeError:
-        return lambda token_id: tokenizer.decode([token_id])
-    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
-
-
 async def serve_http(server: Server, config: HttpConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve the HTTP API for `server` until cancelled; `nursery.start` returns the
     `HttpServer` once it listens."""
@@ -1054,6 +1160,15 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
                        help="read the API key from this file")
     group.add_argument("--served-model-name", default=None,
                        help="the model id clients name (default: --model)")
+    group.add_argument("--strict-fields", action="store_true",
+                       help="refuse request fields this server does not know (default: ignore "
+                            "them, logging each name once)")
+    group.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=DEFAULT_TOOL_CALL_PARSER,
+                       help='how tool calls are read out of a tool_choice "auto" answer: JSON in '
+                            "<tool_call> tags, or the whole answer as JSON (default: %(default)s)")
+    group.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                       help='origins allowed to call the API from a browser (CORS): a JSON list, as '
+                            'vLLM takes it (\'["*"]\'), or comma-separated (default: none)')
     group.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                        help="largest HTTP request body (default: %(default)s)")
     group.add_argument("--max-connections-per-peer", type=int, default=DEFAULT_MAX_CONNECTIONS_PER_PEER,
@@ -1082,7 +1197,24 @@ def http_config_from_args(args: argparse.Namespace) -> HttpConfig | None:
                       max_connections_per_peer=args.max_connections_per_peer or None,
                       head_timeout_s=args.head_timeout_s,
                       min_body_bytes_per_s=args.min_body_bytes_per_s,
-                      metrics_public=args.metrics_public)
+                      metrics_public=args.metrics_public,
+                      strict_fields=args.strict_fields, tool_call_parser=args.tool_call_parser,
+                      allowed_origins=_origins(args.allowed_origins))
+
+
+def _origins(value: str | None) -> tuple[str, ...]:
+    """--allowed-origins: a JSON list of strings, or comma-separated origins."""
+    if not value:
+        return ()
+    if value.lstrip().startswith("["):
+        try:
+            origins = json.loads(value)
+        except ValueError as exc:
+            raise ConfigError(f"--allowed-origins is not a JSON list: {exc}") from None
+        if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
+            raise ConfigError("--allowed-origins must be a list of strings")
+        return tuple(origins)
+    return tuple(origin.strip() for origin in value.split(",") if origin.strip())
 
 
 def _read_api_key(args: argparse.Namespace) -> str | None:

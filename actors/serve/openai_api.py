@@ -12,6 +12,8 @@ The transport lives in http.py.
 from __future__ import annotations
 
 import json
+import logging
+import re
 import time
 import uuid
 from typing import Any, Callable
@@ -21,7 +23,8 @@ import attrs
 from cadence.statemachine.errors import InvalidRequestError, ProtocolError
 from cadence.statemachine.sampling import SamplingParams, StructuredOutput
 
-from ..chat import check_messages, text_size
+from ..chat import check_messages, encode_text, text_size
+from ..validation import check_token_ids
 from ..engine import Engine, RequestStream
 from ..fields import (
     check_bool, check_dict, check_finite_float, check_ids, check_int, check_str, check_strs, kind,
@@ -29,9 +32,10 @@ from ..fields import (
 from ..validation import MAX_CACHE_SALT_CHARS
 from ..wire import MAX_ID, MAX_TENANT_CHARS, ErrorCode
 from .server import _StreamState
+from .tools import ToolCallStream, ToolChoice, parse_tool_choice
 
 __all__ = ["ApiError", "ApiRequest", "Choice", "parse_request", "status_of",
-           "usage_of", "ChunkEncoder", "completion_body"]
+           "usage_of", "ChunkEncoder", "completion_body", "tokenize", "detokenize"]
 
 # OpenAI's default when a completion names no max_tokens.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -40,6 +44,9 @@ MAX_CHOICES = 128
 # JSON has no -inf: a token the sampler could never pick reports this logprob.
 MIN_LOGPROB = -9999.0
 _NULL = b"null"
+# An ignored field's name is logged up to this many characters.
+MAX_LOGGED_NAME_CHARS = 64
+_log = logging.getLogger("cadence.http")
 # The most alternatives per token SamplingParams allows.
 MAX_TOP_LOGPROBS = 20
 
@@ -57,20 +64,30 @@ _STATUS_OF_CODE = {
     ErrorCode.ENGINE_CLOSED: 503, ErrorCode.EXECUTOR_ERROR: 500, ErrorCode.INTERNAL: 500,
 }
 
+# vLLM's spellings of a structured output: each maps onto one StructuredOutput.
+_VLLM_STRUCTURED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                    "structured_outputs")
+_STRUCTURED_FIELDS = ("response_format", "regex", "grammar", *_VLLM_STRUCTURED)
+
+
 _SAMPLING_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                     "repetition_penalty")
+# vLLM's sampling fields passed to SamplingParams as they are (it checks them).
+_VLLM_SAMPLING = ("logit_bias", "allowed_token_ids", "bad_words", "skip_special_tokens",
+                  "truncate_prompt_tokens")
 _COMMON_FIELDS = frozenset({
     "model", "stream", "stream_options", "max_tokens", "n", "stop", "seed", "logprobs", "user",
     "top_k", "priority", "tenant", "deadline_s", "min_tokens", "ignore_eos", "stop_token_ids",
-    "include_stop_str_in_output", "best_of", "return_token_ids", "response_format", "regex", "grammar",
-    "cache_salt", *_SAMPLING_FLOATS})
+    "include_stop_str_in_output", "best_of", "return_token_ids", "cache_salt", *_STRUCTURED_FIELDS,
+    *_SAMPLING_FLOATS, *_VLLM_SAMPLING})
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs",
-                                 "add_generation_prompt", "chat_template_kwargs"}
-# OpenAI fields Cadence does not implement: named in the 400 rather than ignored.
-_UNSUPPORTED = frozenset({"suffix", "logit_bias", "tools", "tool_choice",
-                          "functions", "function_call", "parallel_tool_calls", "service_tier",
-                          "store", "modalities", "audio", "prediction", "reasoning_effort"})
+                                 "add_generation_prompt", "chat_template_kwargs", "tools", "tool_choice",
+                                 "parallel_tool_calls"}
+# OpenAI fields Cadence does not implement and whose loss would change the answer:
+# refused (a 400 naming them) even where unknown fields are ignored.
+_UNSUPPORTED = frozenset({"suffix", "functions", "function_call", "modalities", "audio",
+                          "prediction"})
 
 
 class ApiError(Exception):
@@ -126,12 +143,14 @@ class ApiRequest:
     return_token_ids: bool = False
     # Requests share cached prompt blocks only with requests of the same salt (and tenant).
     cache_salt: str | None = None
+    # A chat's tools and tool_choice (None: no tool calls are read from the answer).
+    tools: ToolChoice | None = None
+    # The field that holds the structured output, named in its errors (None: none).
+    structured_field: str | None = None
 
-    def params_for(self, sample: int) -> SamplingParams:
-        """The parameters of the `sample`-th of n choices: seeded choices differ."""
-        if sample and self.params.seed is not None:
-            return attrs.evolve(self.params, seed=self.params.seed + sample)
-        return self.params
+    def samples(self) -> list[SamplingParams]:
+        """The parameters of each of the n choices of a prompt: seeded choices differ."""
+        return attrs.evolve(self.params, n=self.n).samples()
 
 
 def _field(body: dict, name: str, check: Callable, *args) -> Any:
@@ -151,20 +170,12 @@ async def parse_request(body: object, chat: bool, http) -> ApiRequest:
     thread (`Front.run_sized`)."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the body must be a JSON object, got {kind(body)}")
-    allowed = _CHAT_FIELDS if chat else _COMPLETION_FIELDS
-    for name, value in body.items():
-        if name in allowed or value is None:
-            continue
-        if name in _UNSUPPORTED:
-            raise ApiError(400, f"{name} is not supported by this server", param=name)
-        raise ApiError(400, f"unknown field {name!r}", param=name)
-    model = _field(body, "model", check_str)
-    if model is not None and model != http.model_name:
-        raise ApiError(404, f"the model {model!r} does not exist; this server serves "
-                            f"{http.model_name!r}", param="model", code="model_not_found")
+    _check_names(body, _CHAT_FIELDS if chat else _COMPLETION_FIELDS, http)
+    _check_model(body, http)
     engine: Engine = http.engine
+    tools = _tool_choice(body, http) if chat else None
     if chat:
-        prompts = [await _chat_prompt(body, http)]
+        prompts = [await _chat_prompt(body, http, tools)]
     else:
         prompts = _completion_prompts(body.get("prompt"))
     n = _field(body, "n", check_int, 1, MAX_CHOICES) or 1
@@ -182,6 +193,12 @@ async def parse_request(body: object, chat: bool, http) -> ApiRequest:
     logprobs = _logprobs(body, chat)
     echo = bool(_field(body, "echo", check_bool))
     params = _sampling_params(body, chat, prompts, logprobs, engine)
+    if tools is not None and tools.forced:
+        if params.structured_output is not None:
+            raise ApiError(400, f"tool_choice {tools.choice!r} constrains the answer to a tool call; "
+                                "it cannot be combined with another structured output",
+                           param="tool_choice")
+        params = attrs.evolve(params, structured_output=tools.structured_output())
     if echo and logprobs is not None:
         # The echoed prompt's tokens carry their logprobs too, as OpenAI's do.
         params = attrs.evolve(params, prompt_logprobs=logprobs)
@@ -194,8 +211,91 @@ async def parse_request(body: object, chat: bool, http) -> ApiRequest:
         priority=_field(body, "priority", check_int, -MAX_ID - 1, MAX_ID) or 0,
         tenant=tenant if tenant is not None else "default",
         deadline_s=_field(body, "deadline_s", check_finite_float),
-        return_token_ids=bool(_field(body, "return_token_ids", check_bool)),
-        cache_salt=_field(body, "cache_salt", check_str, MAX_CACHE_SALT_CHARS))
+        return_token_ids=bool(_field(body, "return_token_ids", check_bool)), tools=tools,
+        cache_salt=_field(body, "cache_salt", check_str, MAX_CACHE_SALT_CHARS),
+        structured_field="tool_choice" if tools is not None and tools.forced else structured_field(body))
+
+
+def _tool_choice(body: dict, http) -> ToolChoice | None:
+    try:
+        return parse_tool_choice(body.get("tools"), body.get("tool_choice"),
+                                 body.get("parallel_tool_calls"), http.config.tool_call_parser)
+    except InvalidRequestError as exc:
+        raise ApiError(400, str(exc), param=getattr(exc, "field", "tools")) from None
+
+
+def _check_names(body: dict, allowed: frozenset, http) -> None:
+    """Fields this server does not know are ignored and logged once per name, as
+    vLLM does (SDKs add fields from version to version); with strict_fields they
+    are refused, naming the field. OpenAI fields that would change the answer
+    and are not implemented (`_UNSUPPORTED`) are refused either way."""
+    for name, value in body.items():
+        if name in allowed or value is None:
+            continue
+        if name in _UNSUPPORTED:
+            raise ApiError(400, f"{name} is not supported by this server", param=name)
+        if http.config.strict_fields:
+            raise ApiError(400, f"unknown field {name!r}", param=name)
+        if name not in http.ignored_fields:
+            http.ignored_fields.add(name)
+            _log.warning("the request field %r is not supported and is ignored (logged once per "
+                         "field name; --strict-fields refuses it)", name[:MAX_LOGGED_NAME_CHARS])
+
+
+_TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                              "chat_template_kwargs", "tools", "return_token_strs"})
+
+
+async def tokenize(body: object, http) -> dict:
+    """POST /tokenize, as vLLM answers it: a `prompt`'s token ids (with the
+    tokenizer's special tokens unless `add_special_tokens` is false), or a chat's
+    `messages` rendered with the template (and `tools`), as a chat request would be."""
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the body must be a JSON object, got {kind(body)}")
+    _check_names(body, _TOKENIZE_FIELDS, http)
+    _check_model(body, http)
+    tokenizer = http.engine.tokenizer
+    if tokenizer is None:
+        raise ApiError(400, f"the model {http.model_name!r} has no tokenizer")
+    if body.get("messages") is not None:
+        tools = _tool_choice(body, http)
+        ids = await _chat_prompt(body, http, tools)
+    else:
+        prompt = _field(body, "prompt", check_str)
+        if prompt is None:
+            raise ApiError(400, "tokenize needs a prompt (a string) or messages", param="prompt")
+        special = _field(body, "add_special_tokens", check_bool)
+        ids = await http.server.run_sized(len(prompt), encode_text, tokenizer, prompt, special is not False)
+    answer = {"count": len(ids), "max_model_len": http.engine.core.config.max_model_len, "tokens": ids}
+    if _field(body, "return_token_strs", check_bool):
+        answer["token_strs"] = [http.token_text(token_id) for token_id in ids]
+    return answer
+
+
+def detokenize(body: object, http) -> dict:
+    """POST /detokenize: the text of `tokens` (ids), as vLLM answers it."""
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the body must be a JSON object, got {kind(body)}")
+    _check_names(body, frozenset({"model", "tokens"}), http)
+    _check_model(body, http)
+    tokens = _field(body, "tokens", check_ids)
+    if tokens is None:
+        raise ApiError(400, "detokenize needs tokens (a list of token ids)", param="tokens")
+    try:
+        check_token_ids("tokens", tokens, http.engine.vocab_size)
+    except InvalidRequestError as exc:
+        raise ApiError(400, str(exc), param="tokens") from None
+    tokenizer = http.engine.tokenizer
+    if tokenizer is None:
+        raise ApiError(400, f"the model {http.model_name!r} has no tokenizer")
+    return {"prompt": tokenizer.decode(tokens)}
+
+
+def _check_model(body: dict, http) -> None:
+    model = _field(body, "model", check_str)
+    if model is not None and model != http.model_name:
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                            f"{http.model_name!r}", param="model", code="model_not_found")
 
 
 def _completion_prompts(prompt: object) -> list:
@@ -214,10 +314,12 @@ def _completion_prompts(prompt: object) -> list:
         raise ApiError(400, str(exc), param="prompt") from None
 
 
-async def _chat_prompt(body: dict, http) -> list[int]:
-    """A chat's messages rendered with the model's template, as token ids."""
+async def _chat_prompt(body: dict, http, tools: ToolChoice | None) -> list[int]:
+    """A chat's messages (and tools) rendered with the model's template, as token ids."""
     add_generation_prompt = _field(body, "add_generation_prompt", check_bool)
     variables = _field(body, "chat_template_kwargs", check_dict) or {}
+    if tools is not None:
+        variables = {**variables, "tools": tools.tools}
     messages = body.get("messages")
     try:
         check_messages(messages)  # its limits, before any cost that grows with the conversation
@@ -271,6 +373,9 @@ def _sampling_params(body: dict, chat: bool, prompts: list, logprobs: int | None
         value = _field(body, name, check, *args)
         if value is not None:
             fields[name] = value
+    for name in _VLLM_SAMPLING:
+        if body.get(name) is not None:
+            fields[name] = body[name]
     fields["logprobs"] = logprobs
     fields["structured_output"] = _structured_output(body)
     try:
@@ -283,21 +388,65 @@ def _sampling_params(body: dict, chat: bool, prompts: list, logprobs: int | None
 
 
 def _structured_output(body: dict) -> StructuredOutput | None:
-    """OpenAI's `response_format` ({"type": "text" | "json_object" | "json_schema"}), or
-    Cadence's `regex` / `grammar` (a string each): at most one of them."""
-    given = [name for name in ("response_format", "regex", "grammar") if body.get(name) is not None]
+    """OpenAI's `response_format` ({"type": "text" | "json_object" | "json_schema"}),
+    Cadence's `regex` / `grammar` (a string each), or vLLM's `guided_json`,
+    `guided_regex`, `guided_choice`, `guided_grammar` and `structured_outputs`
+    ({"json" | "regex" | "choice" | "grammar" | "json_object": ...}): at most one."""
+    given = [name for name in _STRUCTURED_FIELDS if body.get(name) is not None]
     if len(given) > 1:
-        raise ApiError(400, f"only one of response_format, regex and grammar may be given, got "
+        raise ApiError(400, f"only one structured output may be given, got "
                             f"{' and '.join(given)}", param=given[1])
     if not given:
         return None
     name = given[0]
     try:
-        if name != "response_format":
-            return StructuredOutput(name, check_str(body[name], name))
-        return _response_format(check_dict(body[name], name))
+        return _structured_field(name, body[name])
     except (ProtocolError, InvalidRequestError) as exc:
-        raise ApiError(400, str(exc), param=name) from None
+        raise ApiError(400, http_structured_message(str(exc), name), param=name) from None
+
+
+def structured_field(body: dict) -> str | None:
+    """The request field that holds its structured output (None: none given)."""
+    return next((name for name in _STRUCTURED_FIELDS if body.get(name) is not None), None)
+
+
+def http_structured_message(message: str, name: str) -> str:
+    """An engine message about a JSON structured output names `structured_output`,
+    the engine's field: over HTTP it names the field the request used."""
+    prefix = "structured_output"
+    return name + message[len(prefix):] if message.startswith(prefix) else message
+
+
+def _structured_field(name: str, value: object) -> StructuredOutput | None:
+    if name == "response_format":
+        return _response_format(check_dict(value, name))
+    if name == "structured_outputs":
+        inner = {key: item for key, item in check_dict(value, name).items()
+                 if item is not None and item is not False}
+        if len(inner) != 1:
+            raise InvalidRequestError(f"structured_outputs must hold exactly one of json, regex, "
+                                      f"choice, grammar and json_object, got {sorted(inner)}")
+        (key, item), = inner.items()
+        if key == "json_object":
+            return StructuredOutput("json_object")
+        if key not in ("json", "regex", "choice", "grammar"):
+            raise InvalidRequestError(f"structured_outputs.{key} is not supported by this server")
+        return _structured_field(f"guided_{key}", item)
+    if name == "guided_json":
+        return StructuredOutput.json_schema(value if isinstance(value, str) else check_dict(value, name))
+    if name == "guided_choice":
+        choices = check_strs(value, name)
+        if not choices:
+            raise InvalidRequestError(f"{name} must be a non-empty list of strings")
+        return StructuredOutput("regex", "|".join(f"({_literal(choice)})" for choice in choices))
+    kind = {"guided_regex": "regex", "guided_grammar": "grammar"}.get(name, name)
+    return StructuredOutput(kind, check_str(value, name))
+
+
+def _literal(text: str) -> str:
+    """A regular expression matching exactly `text` (only metacharacters escaped,
+    which every regex dialect reads alike)."""
+    return re.sub(r"([.^$*+?{}\[\]\\|()])", r"\\\1", text)
 
 
 def _response_format(value: dict) -> StructuredOutput | None:
@@ -346,6 +495,8 @@ class Choice:
     finish_reason: str | None = None
     error: Exception | None = None
     text_offset: int = 0
+    # Reads tool calls out of the text when the request has tools.
+    tool_stream: ToolCallStream | None = None
 
     def add(self, out, whole: bool) -> None:
         """Take one engine delta; `whole`: keep its text, tokens and logprobs for a
@@ -384,6 +535,12 @@ class Choice:
         text = out.text or ""
         if not text and out.finish_reason is None and not out.token_ids:
             return None
+        if request.tools is not None:
+            entry = self.delta(request, out, token_text)
+            if not entry["delta"] and entry["finish_reason"] is None and entry["logprobs"] is None \
+                    and not request.return_token_ids:
+                return None
+            return json.dumps(entry, separators=(",", ":")).encode("utf-8")
         if request.logprobs is None and not request.return_token_ids:
             reason = _NULL if out.finish_reason is None else json.dumps(out.finish_reason).encode()
             if request.chat:
@@ -401,7 +558,10 @@ class Choice:
         if request.logprobs is not None and out.logprobs is not None:
             logprobs = self._render_logprobs(request, list(zip(out.token_ids, out.logprobs)),
                                              token_text)
-        if request.chat:
+        if request.tools is not None:
+            entry = {"index": self.index, "delta": self._tool_delta(request, text, out.finish_reason),
+                     "logprobs": logprobs, "finish_reason": self._finish_reason(out.finish_reason)}
+        elif request.chat:
             entry = {"index": self.index, "delta": {"content": text} if text else {},
                      "logprobs": logprobs, "finish_reason": out.finish_reason}
         else:
@@ -423,7 +583,12 @@ class Choice:
             logprobs = self._render_logprobs(request, self.logprobs, http.token_text)
             if echoed is not None:
                 logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
-        if request.chat:
+        if request.tools is not None:
+            message = {"role": "assistant", **self._tool_delta(request, text, self.finish_reason)}
+            message.setdefault("content", None)
+            whole = {"index": self.index, "message": message, "logprobs": logprobs,
+                     "finish_reason": self._finish_reason(self.finish_reason)}
+        elif request.chat:
             whole = {"index": self.index, "message": {"role": "assistant", "content": text},
                      "logprobs": logprobs, "finish_reason": self.finish_reason}
         else:
@@ -434,6 +599,30 @@ class Choice:
         if request.return_token_ids:
             whole["token_ids"] = self.token_ids
         return whole
+
+    def _tool_delta(self, request: ApiRequest, text: str, finish_reason: str | None) -> dict:
+        """The message (or delta) fields of `text` read for tool calls: its content
+        and the calls it completed, numbered in the order the choice made them."""
+        if self.tool_stream is None:
+            self.tool_stream = ToolCallStream(request.tools)
+        content, calls = self.tool_stream.feed(text)
+        if finish_reason is not None:
+            rest, more = self.tool_stream.finish()
+            content, calls = content + rest, calls + more
+        fields: dict = {}
+        if content and (content.strip() or not self.tool_stream.calls):
+            fields["content"] = content
+        if calls:
+            first = len(self.tool_stream.calls) - len(calls)
+            fields["tool_calls"] = [call.body(first + i if request.stream else None)
+                                    for i, call in enumerate(calls)]
+        return fields
+
+    def _finish_reason(self, finish_reason: str | None) -> str | None:
+        """"tool_calls" for an answer that ended by itself after making calls."""
+        if finish_reason == "stop" and self.tool_stream is not None and self.tool_stream.calls:
+            return "tool_calls"
+        return finish_reason
 
     def _prompt_logprobs(self, request: ApiRequest, http) -> dict:
         """The echoed prompt's tokens in OpenAI's completion logprobs shape, offsets

@@ -49,7 +49,7 @@ from cadence.statemachine.errors import ConfigError
 
 from ..client import AsyncClient, AsyncStream, open_client, parse_address
 from ..unwrap import unwrapping
-from ..validation import RequestLimits
+from ..validation import REQUEST_LIMIT_NAMES, RequestLimits
 from ..wire import (
     Accepted, ClientTimeoutError, ConnectionClosedError, Error,
     ErrorCode, Generate, HealthReply, Output, ServerError, StatsReply, Welcome, encode, pack_frame,
@@ -641,7 +641,10 @@ class Router(Front):
     def _set_welcome(self, welcome: Welcome) -> None:
         block_size = self.config.block_size or welcome.block_size
         self.block_size = block_size
-        self.welcome = attrs.evolve(welcome, server=ROUTER_NAME, limits=self.config.limits())
+        # The replicas' request limits (checked here too, see RequestLimits.from_welcome), then the router's own.
+        request_limits = {name: welcome.limits[name] for name in REQUEST_LIMIT_NAMES if name in welcome.limits}
+        self.welcome = attrs.evolve(welcome, server=ROUTER_NAME,
+                                    limits={**request_limits, **self.config.limits()})
         self.welcome_frame = pack_frame(encode(self.welcome))
 
     # ---- placement ---------------------------------------------------------------
@@ -828,6 +831,10 @@ class _RouterConnection(Connection):
             return Error(ErrorCode.INVALID_REQUEST.value,
                          "the router forwards prompts only; send the conversation to a server, "
                          "or render it into a prompt", stream=message.stream)
+        if message.params.n != 1:
+            return Error(ErrorCode.INVALID_REQUEST.value,
+                         f"n is {message.params.n}: the router places one sample per Generate; send n "
+                         "Generates, or the request to a server", stream=message.stream)
         return message.refusal(RequestLimits.from_welcome(self.router.welcome))
 
     async def open_stream(self, message: Generate) -> None:

@@ -53,7 +53,7 @@ from ..trio_thread import TrioThread
 from ..unwrap import unwrap_sole_error, unwrapping
 from ..engine_args import add_engine_arguments, engine_config_from_args
 from ..wire import (
-    DEFAULT_PORT, Accepted, Error, ErrorCode, Generate,
+    DEFAULT_PORT, MAX_ID, Accepted, Error, ErrorCode, Generate,
     HealthReply, Output, StatsReply, Welcome, encode, pack_frame,
 )
 from .connection import (
@@ -335,7 +335,7 @@ class Server(Front):
             server=SERVER_NAME, model=engine.config.model, vocab_size=engine.vocab_size,
             max_model_len=engine.core.config.max_model_len, block_size=engine.core.blocks.block_size,
             eos_token_ids=sorted(engine.eos_token_ids), has_tokenizer=engine.tokenizer is not None,
-            limits=self.config.limits())
+            limits={**self.config.limits(), **engine.request_limits.welcome_limits()})
 
 
 class _ServerConnection(Connection):
@@ -356,12 +356,29 @@ class _ServerConnection(Connection):
         await self.send(self.server.health(ref))
 
     def refuse_generate(self, message: Generate) -> Error | None:
-        """The per-tenant limit and the API key's in-flight limit, across connections."""
-        refusal = self.server.inflight_refusal(message.tenant, self.grant, 1)
-        if refusal is None:
+        """The per-tenant limit and the API key's in-flight limit, across connections;
+        with n > 1, the n streams the samples answer on (`stream` to `stream` + n - 1)
+        must be free and within the connection's limit."""
+        n = message.params.n
+        refusal = self.server.inflight_refusal(message.tenant, self.grant, n)
+        if refusal is not None:
+            text, limit = refusal
+            return Error(ErrorCode.TENANT_LIMIT.value, text, stream=message.stream, limit=limit)
+        if n == 1:
             return None
-        text, limit = refusal
-        return Error(ErrorCode.TENANT_LIMIT.value, text, stream=message.stream, limit=limit)
+        last = message.stream + n - 1
+        taken = [sid for sid in range(message.stream + 1, last + 1) if sid in self.streams]
+        if taken or last > MAX_ID:
+            why = f"stream {taken[0]} is live" if taken else f"the last id would pass {MAX_ID}"
+            return Error(ErrorCode.INVALID_REQUEST.value,
+                         f"n is {n}: the samples answer on streams {message.stream} to {last}, but {why}",
+                         stream=message.stream)
+        most = self.config.max_inflight_per_connection
+        if len(self.streams) + n > most:
+            return Error(ErrorCode.TOO_MANY_REQUESTS.value,
+                         f"this connection has {len(self.streams)} live streams and n is {n}",
+                         stream=message.stream, limit="max_inflight_per_connection")
+        return None
 
     async def open_stream(self, message: Generate) -> None:
         """Start the engine request in a task of its own (a conversation is
@@ -378,12 +395,22 @@ class _ServerConnection(Connection):
                 self.note_refusal(self._frame_bytes)
                 await self.send(Error(ErrorCode.INVALID_REQUEST.value, str(exc), stream=message.stream))
                 return
-        state = _StreamState(message.stream, tenant=message.tenant, grant=self.grant,
-                             request_id=server.next_request_id(self.conn_id),
-                             bytes_per_token=_wire_bytes_per_token(
-                                 message, server.request_limits.max_bytes_per_token))
-        server.stream_started(state)
-        self.add_stream(state, self._run_stream, message)
+        bytes_per_token = _wire_bytes_per_token(message, server.request_limits.max_bytes_per_token)
+        samples = message.params.samples()
+        request_ids = [server.next_request_id(self.conn_id) for _ in samples]
+        groups: list = [None]
+        if len(samples) > 1:
+            # One request group: the prompt is computed once; sample i answers on stream + i.
+            groups = server.engine.generate_group(
+                message.prompt, samples, priority=message.priority, tenant=message.tenant,
+                deadline_s=message.deadline_s, request_ids=request_ids, timeout_s=message.timeout_s,
+                cache_salt=message.cache_salt)
+        for index, (request_id, request_stream) in enumerate(zip(request_ids, groups)):
+            state = _StreamState(message.stream + index, tenant=message.tenant, grant=self.grant,
+                                 request_id=request_id, bytes_per_token=bytes_per_token)
+            server.stream_started(state)
+            self.add_stream(state, self._run_stream, attrs.evolve(message, stream=state.stream),
+                            request_stream)
 
     def pending_output_bytes(self) -> int:
         """The output the engine holds for this connection's streams (estimated)."""
@@ -398,13 +425,16 @@ class _ServerConnection(Connection):
             except RequestNotFoundError:
                 pass  # it finished while the Abort was on its way
 
-    async def _run_stream(self, state: _StreamState, message: Generate) -> None:
+    async def _run_stream(self, state: _StreamState, message: Generate,
+                          request_stream: RequestStream | None = None) -> None:
+        """Run one engine request (given: a sample of a request group) and relay it."""
         server = self.server
         engine, metrics = server.engine, server.metrics
-        request_stream = engine.generate(
-            message.prompt, message.params, priority=message.priority, tenant=message.tenant,
-            deadline_s=message.deadline_s, request_id=state.request_id, timeout_s=message.timeout_s,
-            cache_salt=message.cache_salt)
+        if request_stream is None:
+            request_stream = engine.generate(
+                message.prompt, message.params, priority=message.priority, tenant=message.tenant,
+                deadline_s=message.deadline_s, request_id=state.request_id, timeout_s=message.timeout_s,
+                cache_salt=message.cache_salt)
         state.request_stream = request_stream
         error: Error | None = None
         try:
@@ -544,10 +574,14 @@ class ServerThread:
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `serve` subcommand to an argparse subparsers object."""
+    from .http import DEFAULT_HTTP_PORT  # it builds on this module
+
     parser = subparsers.add_parser(
-        "serve", help="serve an engine over TCP and/or a Unix socket",
-        description="Serve an engine to clients speaking the msgpack protocol of PROTOCOL.md. "
-                    "Listens on 127.0.0.1 unless --host says otherwise. SIGINT or SIGTERM "
+        "serve", help="serve an engine: the msgpack protocol and the OpenAI-compatible HTTP API",
+        description="Serve an engine to clients speaking the msgpack protocol of PROTOCOL.md "
+                    f"(--port, default {DEFAULT_PORT}) and to OpenAI-API clients over HTTP "
+                    f"(--http-port, default {DEFAULT_HTTP_PORT}: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
+                    "...). Listens on 127.0.0.1 unless --host says otherwise. SIGINT or SIGTERM "
                     "drains: running requests get --shutdown-grace-s to finish; a second "
                     "signal aborts them at once.")
     add_engine_arguments(parser)

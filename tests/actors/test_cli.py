@@ -159,3 +159,24 @@ def test_serve_and_bench_default_to_the_demo_model_and_name_the_simulated_one():
 def test_the_readme_serves_where_bench_looks():
     ports = re.findall(r"cadence serve[^\n]*--port (\d+)", README.read_text())
     assert all(int(port) == DEFAULT_PORT for port in ports), ports
+
+
+def _help(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit):
+        cli.main(argv + ["--help"])
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+
+
+def test_help_says_what_serve_speaks_and_the_demo_models_length_limit(capsys):
+    import json
+    from pathlib import Path
+
+    from cadence.actors.engine import demo_model_dir
+
+    positions = json.loads((Path(demo_model_dir()) / "config.json").read_text())["max_position_embeddings"]
+    for command in ("generate", "serve"):
+        text = _help([command], capsys)
+        assert f"default 4096, lowered to the model's own limit where that is smaller: {positions} for the " \
+               "demo model" in text, command
+    serve = _help(["serve"], capsys)
+    assert "msgpack protocol" in serve and "OpenAI-API clients over HTTP" in serve and "8000" in serve

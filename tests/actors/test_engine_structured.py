@@ -144,7 +144,7 @@ async def test_an_engine_without_a_tokenizer_refuses_structured_output():
     executor = SimulatedExecutor(vocab_size=100, eos_token_id=99)
     with trio.fail_after(TIMEOUT_S):
         async with open_engine(EngineConfig(executor=executor)) as engine:
-            with pytest.raises(StructuredOutputError, match="^response_format: structured output needs a tokenizer"):
+            with pytest.raises(StructuredOutputError, match="^structured_output: structured output needs a tokenizer"):
                 await engine.submit([1, 2], SamplingParams(structured_output=StructuredOutput("json_object")))
 
 

@@ -91,6 +91,14 @@ def sampling_params(draw) -> SamplingParams:
         stop=draw(st.lists(st.text(min_size=1, max_size=5), max_size=3)),
         stop_token_ids=draw(st.lists(st.integers(0, MAX_INT64), max_size=3)),
         include_stop_str_in_output=draw(st.booleans()),
+        n=(n := draw(st.integers(1, 4))),
+        best_of=draw(st.sampled_from([None, n])),
+        logit_bias=draw(st.dictionaries(st.integers(0, 2**31), st.floats(-100.0, 100.0), max_size=3)),
+        allowed_token_ids=draw(st.none() | st.lists(st.integers(0, 2**31), min_size=1, max_size=3)),
+        bad_words=draw(st.lists(st.text(min_size=1, max_size=4), max_size=2)),
+        bad_words_token_ids=draw(st.lists(st.lists(st.integers(0, 2**31), min_size=1, max_size=3), max_size=2)),
+        skip_special_tokens=draw(st.booleans()),
+        truncate_prompt_tokens=draw(st.none() | st.integers(1, 2**31)),
     )
 
 

@@ -41,13 +41,13 @@ def _compiler(tokenizer, cache_size: int = 8) -> GrammarCompiler:
 # ---- the request field -------------------------------------------------------------------
 
 def test_the_field_checks_its_kind_and_spec_and_names_the_request_field():
-    assert StructuredOutput("json_object").field == "response_format"
+    assert StructuredOutput("json_object").field == "structured_output"
     assert StructuredOutput("regex", "a+").field == "regex"
     with pytest.raises(InvalidRequestError, match="structured_output.kind must be one of"):
         StructuredOutput("yaml", "x")
     with pytest.raises(InvalidRequestError, match="^grammar must be a non-empty grammar"):
         StructuredOutput("grammar", "")
-    with pytest.raises(InvalidRequestError, match="^response_format must be empty for json_object"):
+    with pytest.raises(InvalidRequestError, match="^structured_output must be empty for json_object"):
         StructuredOutput("json_object", "{}")
     with pytest.raises(InvalidRequestError, match=f"the limit is {MAX_STRUCTURED_OUTPUT_CHARS}"):
         StructuredOutput("regex", "a" * (MAX_STRUCTURED_OUTPUT_CHARS + 1))
@@ -59,9 +59,9 @@ def test_a_schema_is_kept_in_one_spelling_with_its_key_order():
     spaced = json.dumps(SCHEMA, indent=2)
     assert StructuredOutput.json_schema(spaced) == StructuredOutput.json_schema(SCHEMA)
     assert list(json.loads(StructuredOutput.json_schema(SCHEMA).spec)["properties"]) == ["ok", "n"]
-    with pytest.raises(InvalidRequestError, match="^response_format: the schema is not JSON"):
+    with pytest.raises(InvalidRequestError, match="^structured_output: the schema is not JSON"):
         StructuredOutput.json_schema("{nope")
-    with pytest.raises(InvalidRequestError, match="^response_format must be a JSON schema object"):
+    with pytest.raises(InvalidRequestError, match="^structured_output must be a JSON schema object"):
         StructuredOutput.json_schema("[1, 2]")
 
 
@@ -86,7 +86,7 @@ def test_both_wires_carry_it():
 # ---- the compiler --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("structured, field, reason", [
-    (StructuredOutput("json_schema", '{"type": "objectx"}'), "response_format", 'Unsupported type "objectx"'),
+    (StructuredOutput("json_schema", '{"type": "objectx"}'), "structured_output", 'Unsupported type "objectx"'),
     (StructuredOutput("regex", "(["), "regex", "Unclosed '['"),
     (StructuredOutput("grammar", "root ::= foo"), "grammar", 'Rule "foo" is not defined'),
 ])

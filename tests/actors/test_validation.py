@@ -254,3 +254,21 @@ async def test_an_executor_reporting_an_eos_id_outside_its_vocabulary_is_refused
     with pytest.raises(ExecutorError, match=r"eos_token_ids\[0\].*vocab_size=10"):
         async with open_engine(EngineConfig(executor=backend, tokenizer=None)):
             pass
+
+
+def test_counts_in_messages_agree_in_number():
+    with pytest.raises(RequestTooLongError, match="^prompt has 1 token and max_tokens is 64, 65 in all"):
+        validate_request([1], SamplingParams(max_tokens=64), LIMITS)
+    with pytest.raises(RequestTooLongError, match="^prompt has 2 tokens and"):
+        validate_request([1, 2], SamplingParams(max_tokens=63), LIMITS)
+
+
+def test_a_request_larger_than_the_kv_cache_is_refused_with_counts_not_an_internal_id():
+    from cadence.actors import LLM
+
+    with LLM(executor="simulated", num_blocks=4, block_size=16, max_model_len=512) as llm:
+        with pytest.raises(RequestTooLongError) as caught:
+            llm.generate([[1] * 60], SamplingParams(max_tokens=8), use_tqdm=False)
+        assert str(caught.value) == ("prompt has 60 tokens and max_tokens is 8, 68 in all; "
+                                     "the KV cache holds 64 tokens")
+        assert llm.generate([[1] * 56], SamplingParams(max_tokens=8), use_tqdm=False)[0].finish_reason

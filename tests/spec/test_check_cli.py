@@ -43,7 +43,10 @@ def test_a_user_policy_by_path(tmp_path, monkeypatch, capsys):
     assert "CheckedHarness" in "\n".join(verdict.details)
 
 
-def test_an_unloadable_policy_is_a_violation(capsys):
-    assert main(["--policy", "no_such_module:Nothing", "--no-stateful", "--no-liveness", "--quiet"]) == 1
+def test_an_unloadable_policy_is_a_usage_error_before_any_check(capsys):
+    assert main(["--policy", "fcfs", "--policy", "no_such_module:Nothing", "--no-stateful", "--no-liveness",
+                 "--quiet"]) == 2
     captured = capsys.readouterr()
-    assert "could not be checked" in captured.out and captured.err == ""
+    assert captured.out == ""  # no verdict, no "VIOLATION": nothing was checked
+    assert captured.err == ("cadence check: policy 'no_such_module:Nothing' cannot be loaded: "
+                            "No module named 'no_such_module'\n")

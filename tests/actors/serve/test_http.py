@@ -233,9 +233,33 @@ def test_an_invalid_field_is_a_400_naming_it(client):
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens="many")
     assert caught.value.body["param"] == "max_tokens"
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"temprature": 1})
-    assert caught.value.body["param"] == "temprature"
+
+
+def test_unknown_fields_are_ignored_and_logged_once_per_name(client, caplog):
+    extra = {"store": True, "metadata": {"k": "v"}, "service_tier": "auto", "temprature": 1}
+    with caplog.at_level("WARNING", logger="cadence.http"):
+        for _ in range(2):
+            response = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3,
+                                                      extra_body=extra)
+            assert response.usage.completion_tokens == 3
+    logged = [record.getMessage() for record in caplog.records if "is ignored" in record.getMessage()]
+    assert sorted(logged) == sorted(f"the request field {name!r} is not supported and is ignored "
+                                    "(logged once per field name; --strict-fields refuses it)"
+                                    for name in extra)
+
+
+async def test_strict_fields_refuse_an_unknown_field_and_an_answer_changing_one_is_always_refused():
+    from types import SimpleNamespace
+
+    from cadence.actors.serve.openai_api import ApiError, parse_request
+
+    for strict, name, message in ((True, "temprature", "unknown field 'temprature'"),
+                                  (True, "suffix", "suffix is not supported by this server"),
+                                  (False, "suffix", "suffix is not supported by this server")):
+        http = SimpleNamespace(config=HttpConfig(strict_fields=strict), ignored_fields=set(), model_name=MODEL)
+        with pytest.raises(ApiError) as caught:
+            await parse_request({"prompt": PROMPT, name: 1}, False, http)
+        assert (caught.value.status, caught.value.param, caught.value.message) == (400, name, message)
 
 
 def test_a_wrong_key_is_a_401_and_an_unknown_model_a_404(served, client):

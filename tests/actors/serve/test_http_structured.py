@@ -80,13 +80,43 @@ def test_the_regex_extension(client):
         assert choice.finish_reason == "stop" and re.fullmatch(pattern, choice.text), choice.text
 
 
+# vLLM's spellings, each with a check that the output obeys it.
+_VLLM_SPELLINGS = [
+    ({"guided_regex": "[a-c]{5}"}, lambda text: re.fullmatch("[a-c]{5}", text)),
+    ({"guided_choice": ["yes (sure)", "no.", "a|b"]}, lambda text: text in ("yes (sure)", "no.", "a|b")),
+    ({"guided_json": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                      "additionalProperties": False}},
+     lambda text: type(json.loads(text)["ok"]) is bool),
+    ({"guided_grammar": 'root ::= "x" [0-9] [0-9]'}, lambda text: re.fullmatch("x[0-9]{2}", text)),
+    ({"structured_outputs": {"choice": ["left", "right"]}}, lambda text: text in ("left", "right")),
+    ({"structured_outputs": {"json": {"enum": [1, 2]}, "json_object": False}},
+     lambda text: json.loads(text) in (1, 2)),
+    ({"structured_outputs": {"regex": "[0-9]{3}", "json": None}}, lambda text: re.fullmatch("[0-9]{3}", text)),
+]
+
+
+@pytest.mark.parametrize("body, obeys", _VLLM_SPELLINGS)
+def test_vllm_structured_output_spellings_are_followed(client, body, obeys):
+    response = client.completions.create(model="demo", prompt="answer: ", n=3, temperature=1.0,
+                                         max_tokens=MAX_TOKENS, extra_body=body)
+    for choice in response.choices:
+        assert choice.finish_reason == "stop" and obeys(choice.text), choice.text
+
+
 @pytest.mark.parametrize("body, param, reason", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
-     "response_format", 'Unsupported type "objectx"'),
+     "response_format", 'response_format: invalid JSON schema: Unsupported type "objectx"'),
+    ({"guided_json": {"type": "objectx"}}, "guided_json", 'guided_json: invalid JSON schema'),
+    ({"guided_json": "{not json"}, "guided_json", "guided_json: the schema is not JSON"),
     ({"regex": "(["}, "regex", "Unclosed '['"),
     ({"grammar": "root ::= missing"}, "grammar", 'Rule "missing" is not defined'),
     ({"response_format": {"type": "yaml"}}, "response_format", "must be text, json_object or json_schema"),
-    ({"regex": "a", "grammar": "root ::= \"a\""}, "grammar", "only one of"),
+    ({"regex": "a", "grammar": "root ::= \"a\""}, "grammar", "only one structured output"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex",
+     "only one structured output"),
+    ({"guided_choice": []}, "guided_choice", "non-empty list"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs", "not supported"),
 ])
 def test_a_bad_spec_is_a_400_naming_its_field(client, body, param, reason):
     with pytest.raises(openai.BadRequestError) as caught:

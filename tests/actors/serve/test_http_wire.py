@@ -117,7 +117,7 @@ async def test_routes_methods_and_malformed_bodies():
             "POST", "/v1/completions", {"prompt": "a", "n": MAX_CHOICES + 1})
         assert status == 400 and json.loads(body)["error"]["param"] == "n"
         status, body = await client.request(
-            "POST", "/v1/completions", {"prompt": "a", "logit_bias": {"1": 5}})
+            "POST", "/v1/completions", {"prompt": "a", "suffix": "b"})
         assert status == 400 and "not supported" in json.loads(body)["error"]["message"]
         status, body = await client.request("POST", "/v1/completions",
                                             {"prompt": [1] * 9000, "max_tokens": 1})

@@ -100,3 +100,15 @@ async def test_executor_failures_and_restarts_are_prometheus_counters():
                for sample in family.samples}
     assert samples["cadence_executor_failures_total"] == 2  # the crash and the failed restart
     assert samples["cadence_executor_restarts_total"] == 1
+
+
+async def test_a_request_convicted_by_step_timeouts_ends_with_a_flagged_error():
+    executor = poisoned_config(Poison.HANG).executor  # hangs on any request with MARK
+    config = engine_config(executor=executor, restart_backoff_s=0.01, step_timeout_s=0.3)
+    async with open_server(config, server_config()) as server, open_client(server.tcp_address) as client:
+        good = await client.generate(PROMPT, max_tokens=4)
+        bad = await client.generate([MARK, *PROMPT], max_tokens=4)
+        with pytest.raises(RemoteExecutorError) as info:
+            await bad.collect()
+        assert info.value.poison and "timed out" in str(info.value), str(info.value)
+        assert len((await good.collect()).token_ids) == 4

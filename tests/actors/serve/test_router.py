@@ -176,6 +176,12 @@ async def test_router_speaks_the_server_protocol(transport, tmp_path):
             assert len(stats["replicas"]) == 2
             with pytest.raises(RemoteInvalidRequestError):
                 await client.complete([5, 300], max_tokens=2)  # the replica's refusal, relayed
+            with pytest.raises(RemoteInvalidRequestError, match="n is 2: the router places one sample"):
+                await client.complete([5, 6], max_tokens=2, n=2)
+            assert (await client.complete([5, 6], max_tokens=2)).token_ids  # the connection goes on
+            # Welcome passes the replicas' request limits on beside the router's own.
+            assert welcome.limits["max_stop_strings"] == direct.welcome.limits["max_stop_strings"]
+            assert welcome.limits["max_logprobs"] == direct.welcome.limits["max_logprobs"] == 20
 
 
 async def test_abort_of_running_and_of_queued_requests_ends_with_an_abort_output():

@@ -126,3 +126,52 @@ def test_user_errors_are_one_line(argv, message, capsys):
     assert args.func(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+class _SomeNeverEnd:
+    """A target whose requests with max_tokens 0 never end; the others give 2 tokens."""
+
+    async def stream(self, request):
+        import trio
+
+        if request.max_tokens == 0:
+            await trio.sleep_forever()
+        for _ in range(2):
+            await trio.sleep(0.01)
+            yield 1
+
+
+async def test_a_stopped_run_returns_what_finished_and_marks_the_rest_interrupted():
+    import trio
+
+    from cadence.actors.bench import BenchRequest, run_benchmark
+
+    requests = [BenchRequest([1], 2), BenchRequest([1], 0), BenchRequest([1], 2)]
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        async def stop_when_the_others_are_done():
+            await trio.sleep(1.0)
+            stop.set()
+        nursery.start_soon(stop_when_the_others_are_done)
+        timings, _, duration = await run_benchmark(_SomeNeverEnd(), requests, stop=stop)
+    assert [t.ok for t in timings] == [True, False, True] and timings[1].error == "interrupted"
+    assert [t.num_tokens for t in timings] == [2, 0, 2] and duration < 5.0
+    result = summarize("test", "fake", timings, duration, {})
+    assert (result.num_completed, result.num_failed) == (2, 1)
+
+
+async def test_ctrl_c_sets_the_stop_event():
+    import signal
+
+    import trio
+    import trio.testing
+
+    from cadence.actors.bench import _set_on_sigint
+
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_set_on_sigint, stop)
+        await trio.testing.wait_all_tasks_blocked()
+        signal.raise_signal(signal.SIGINT)  # caught by the receiver, not by the test run
+        with trio.fail_after(5):
+            await stop.wait()
