@@ -40,7 +40,7 @@ from .worklist import BalanceConfig
 from .loader import load_weights
 from .model import build_model, init_random_weights
 from .sampler import Sampler, restricted
-from .threads import AUTO, pin_compute_threads, resolve_num_threads, set_num_threads
+from .threads import AUTO, SMALL_MODEL_MACS, macs_per_token, pin_compute_threads, resolve_num_threads, set_num_threads
 
 _log = logging.getLogger("cadence.gpu")
 CPU_PATHS = (AUTO, "packed", "eager")
@@ -209,10 +209,15 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return device
 
 
-def default_attention_backend(device: torch.device) -> str:
-    """On CPU "cpu" (the in-place decode kernel) where it builds, else "sdpa"; on CUDA
-    "triton" (the paged kernels, with decode graphs) where triton imports, else "sdpa"."""
+def default_attention_backend(device: torch.device, config: ModelConfig | None = None) -> str:
+    """On CPU "cpu" (the in-place decode kernel) where it builds, except for small models
+    (under SMALL_MODEL_MACS per token, such as the demo model), whose steps are cheap
+    enough that "sdpa" serves them without building the kernels on a fresh machine (a
+    30-80 s compile before the first token); on CUDA "triton" (the paged kernels, with
+    decode graphs) where triton imports, else "sdpa"."""
     if device.type == "cpu":
+        if config is not None and macs_per_token(config) < SMALL_MODEL_MACS:
+            return "sdpa"
         return "cpu" if cpu_kernels.load() is not None else "sdpa"
     if device.type != "cuda":
         return "sdpa"
@@ -317,7 +322,7 @@ class ModelRunner:
         set_num_threads(self.num_threads)
         self.pinned_cores = pin_compute_threads(self.num_threads) if pin_threads else None
         if attention_backend == AUTO:
-            attention_backend = default_attention_backend(self.device)
+            attention_backend = default_attention_backend(self.device, model_config)
         elif attention_backend == "cpu":
             if self.device.type != "cpu":
                 raise ConfigError(f"attention_backend 'cpu' runs on the CPU, not {self.device.type!r}")
@@ -343,7 +348,7 @@ class ModelRunner:
         self.cpu_path = self._resolve_cpu_path(cpu_path)
         if self.cpu_path == "packed":
             self.model.pack()
-            if cpu_kernels.load() is not None:
+            if self.backend.name == "cpu":  # its kernels are built: the fused ones come with them
                 self.model.set_fused_elementwise(True, cpu_kernels)
         if fused_elementwise:
             # Before any decode graph is captured, so the graphs hold the fused kernels.

@@ -267,18 +267,26 @@ def test_cpu_cache_starts_zeroed_and_each_layer_writes_its_own_memory():
     assert not fresh.kv_caches[0][1].any() and not fresh.kv_caches[1][0].any()
 
 
-def test_cpu_runs_its_decode_kernel_and_packed_products_by_default():
-    fresh = ModelRunner(preset("tiny"), num_blocks=4, block_size=BLOCK_SIZE, device="cpu")
-    assert fresh.backend.name == "cpu" and fresh.cpu_path == "packed"
-    attention = fresh.model.model.layers[0].self_attn
-    assert attention.q_proj is None and attention.qkv_proj is not None
+def test_cpu_runs_its_decode_kernel_and_packed_products_by_default(monkeypatch):
+    from cadence.gpu import runner as runner_module
+
+    small = ModelRunner(preset("tiny"), num_blocks=4, block_size=BLOCK_SIZE, device="cpu")
+    assert small.backend.name == "sdpa" and small.cpu_path == "packed"  # no kernel build for it
+    attention = small.model.model.layers[0].self_attn
+    assert attention.q_proj is None and attention.qkv_proj is not None and attention.fused is None
+    monkeypatch.setattr(runner_module, "SMALL_MODEL_MACS", 0)  # the same shape counted as large
+    large = ModelRunner(preset("tiny"), num_blocks=4, block_size=BLOCK_SIZE, device="cpu")
+    assert large.backend.name == "cpu" and large.model.model.layers[0].self_attn.fused is not None
 
 
 def test_cpu_falls_back_to_sdpa_where_the_kernel_cannot_be_built(monkeypatch):
     from cadence.gpu import cpu_kernels
 
+    from cadence.gpu import runner as runner_module
+
     monkeypatch.setattr(cpu_kernels, "load", lambda: None)
     monkeypatch.setattr(cpu_kernels, "unavailable_reason", lambda: "no compiler")
+    monkeypatch.setattr(runner_module, "SMALL_MODEL_MACS", 0)
     fresh = ModelRunner(preset("tiny"), num_blocks=4, block_size=BLOCK_SIZE, device="cpu")
     assert fresh.backend.name == "sdpa"
     with pytest.raises(ConfigError, match="kernel could not be built .no compiler"):
