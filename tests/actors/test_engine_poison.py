@@ -135,5 +135,5 @@ async def test_a_transient_fault_in_a_suspect_group_blames_nobody(autojump_clock
         outcomes = await run_all(engine, [f"r{i}" for i in range(4)])
         scheduler = engine.scheduler
         assert scheduler.num_failures == 1 and scheduler.num_poisoned == 0
-        assert not scheduler._groups, "every suspect was cleared once it produced a token"
+        assert not scheduler.isolation.groups, "every suspect was cleared once it produced a token"
     check_innocents(executor, outcomes, set())

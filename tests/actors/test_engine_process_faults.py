@@ -172,7 +172,7 @@ async def test_out_of_file_descriptors_the_restarts_back_off_instead_of_burning_
                 outcomes = await run_all(engine, {"r0": prompt("r0")}, params)
             assert not engine.closed and scheduler.num_restarts == 1
             assert "Too many open files" in scheduler.last_failure
-            delays = list(scheduler.restart_delays_s)
+            delays = list(scheduler.supervisor.restart_delays_s)
     assert outcomes["r0"] == [deterministic_token("r0", 2 + k) for k in range(30)]
     assert len(delays) >= 5
     assert all(later > earlier for earlier, later in zip(delays[:4], delays[1:5]))
