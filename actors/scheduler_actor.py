@@ -163,6 +163,8 @@ class SchedulerActor:
                     await trio.sleep_until(self._last_step_s + self._interval_s)
                 step = self._plan()
             if step is None:
+                if self.isolation.marks:  # suspects that completed or left meanwhile
+                    self.isolation.clear(self._num_tokens())
                 # Live requests that could not be scheduled: look again after a short poll.
                 await self._step_bell.wait(_STALL_POLL_S if self.core.has_work() else math.inf)
                 continue
@@ -271,7 +273,7 @@ class SchedulerActor:
         self._fail_named(failed)
         self.router.route_prompt_logprobs(prompt_logprobs, plan.step_id)
         self.router.route(self.core.update(plan, result), plan.step_id)
-        self.isolation.clear({rid: len(r.all_token_ids) for rid, r in self.core.requests.items()})
+        self.isolation.clear(self._num_tokens())
         if failure is not None:
             await self._recover(*failure)
 
@@ -299,7 +301,7 @@ class SchedulerActor:
         """
         core = self.core
         self._ahead = None
-        tokens = {rid: len(core.requests[rid].all_token_ids) for rid in part if rid in core.requests}
+        tokens = self._num_tokens(part)
         decision = self.isolation.call_failed(trio.current_time(), reason, tokens, group)
         _log.warning("executor failure %d (%d in a row%s): %s", self.num_failures,
                      self.isolation.num_in_a_row, "" if decision.counted else ", isolating a request", reason)
@@ -345,6 +347,12 @@ class SchedulerActor:
                             f"{isolation.restart_window_s} s; last failure: {reason}")
         _log.error("engine closed: %s", self.closed_reason)
         isolation.give_up()
+
+    def _num_tokens(self, request_ids=None) -> dict[str, int]:
+        """The tokens each live request (of `request_ids`, or all) has."""
+        requests = self.core.requests
+        ids = requests if request_ids is None else [rid for rid in request_ids if rid in requests]
+        return {rid: len(requests[rid].all_token_ids) for rid in ids}
 
     def _wake(self) -> None:
         self._step_bell.ring()

@@ -10,9 +10,9 @@ each half run from then on as an executor call of its own. A failing suspect
 group is split again; a suspect failing alone, twice the same way, is the
 culprit. A suspect that gets a token past the point where its step failed is
 cleared. Each origin is refunded (no longer counts) once its isolation found
-a culprit while the executor ran something else, and a call succeeds after;
-while its isolation is under way it does not count against the budget either,
-so poisons arriving at any spacing each cost nothing. Failures of suspect
+a culprit and a call succeeds after, so the executor is seen to work without
+it; while its isolation is under way it does not count against the budget
+either, so poisons arriving at any spacing each cost nothing. Failures of suspect
 groups are not counted, up to an allowance of failures in a row (no
 successful call between them) that covers the halvings and the confirmations
 of each culprit; beyond it every failure counts, so a broken executor still
@@ -238,7 +238,8 @@ class Isolation:
         verdict = origin is not None and origin.ran_since
         detail = (f"request {request_id!r} makes the executor fail: it failed in a batch, then "
                   f"{self._alone[request_id][0]} times alone (last: {self.last_failure})")
-        if verdict and not origin.found:
+        if origin is not None and not origin.found:
+            # Refunded once a call succeeds: then the executor works without the culprit.
             origin.found = True
             self._refunds.append(lineage)
         self.forget(request_id)
@@ -252,8 +253,10 @@ class Isolation:
             self._origin_of[gid] = lineage
 
     def _pending(self) -> set[int]:
-        """Origins whose isolation is under way and that do not count meanwhile."""
-        return {o for o in self._origin_of.values() if self._origins[o].excused}
+        """Origins that do not count for now: isolations under way, and those whose
+        culprit was found and await a successful call (unless the executor itself
+        became suspect meanwhile)."""
+        return {o for o in (*self._origin_of.values(), *self._refunds) if self._origins[o].excused}
 
     def _drop_resolved(self) -> None:
         """Forget origins with no suspects left and no refund due."""
