@@ -11,7 +11,7 @@ from cadence.actors import (
     EngineClosedError, ExecutorError, PoisonRequestError, SamplingParams, open_engine,
 )
 from cadence.actors.simulated import Fault, FaultPlan
-from engine_helpers import config, text_executor
+from engine_helpers import config, text_executor, watch_health
 
 
 async def run_requests(engine, num_requests: int, max_tokens: int) -> dict[str, list[int]]:
@@ -184,15 +184,8 @@ async def test_health_is_degraded_while_the_executor_restarts(autojump_clock):
     seen: list[str] = []
     async with open_engine(config(executor, restart_backoff_s=1.0)) as engine:
         assert engine.health == "ok"
-
-        async def watch() -> None:
-            while True:
-                if not seen or seen[-1] != engine.health:
-                    seen.append(engine.health)
-                await trio.sleep(0.05)
-
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(watch)
+            nursery.start_soon(watch_health, engine, seen)
             await run_requests(engine, 2, 5)
             await trio.sleep(0.1)
             nursery.cancel_scope.cancel()
