@@ -126,6 +126,8 @@ class Isolation:
     def call_succeeded(self) -> int:
         """An executor call answered: failures are no longer in a row, and the
         origins whose culprit was found are forgotten. Returns how many were."""
+        if not (self.num_in_a_row or self._origins):
+            return 0  # nothing to note: the common case, once per step
         self.num_in_a_row = 0
         for origin in self._origins.values():
             origin.ran_since = True

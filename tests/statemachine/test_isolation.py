@@ -18,37 +18,13 @@ from cadence.statemachine.isolation import (
 CRASH = "step 3 failed: crash"
 
 
-class IsolationMachine(RuleBasedStateMachine):
-    """Requests arrive (innocent or poison), walk away, and steps run; the scope
-    (budget, faults allowed) is drawn once per run."""
-
-    @initialize(max_restarts=st.integers(1, 3), transients=st.integers(0, 2),
-                restart_failures=st.integers(0, 2), aborts=st.booleans())
-    def start(self, max_restarts, transients, restart_failures, aborts):
-        scope = IsolationScope("hypothesis", max_arrivals=10, max_live=6, max_poisons=4,
-                               tokens=3, transients=transients, restart_failures=restart_failures,
-                               aborts=aborts, max_restarts=max_restarts)
-        self.world = World.start(scope)
-
-    @rule(data=st.data())
-    def move(self, data):
-        moves = list(self.world.moves())
-        if moves:
-            self.world.apply(data.draw(st.sampled_from(moves), label="move"))
-
-    @invariant()
-    def every_property_holds(self):
-        assert check(self.world) == []
-
-
-TestIsolationMachine = IsolationMachine.TestCase
-
-
 def test_bad_budgets_are_refused_with_the_field_named():
     with pytest.raises(ValueError, match="max_restarts must be at least 0, got -1"):
         Isolation(-1, 10.0)
     with pytest.raises(ValueError, match="restart_window_s must be positive, got 0"):
         Isolation(1, 0.0)
+    # The least of each is taken: no restart at all, and a window under a second.
+    assert Isolation(0, 0.5).call_failed(0.0, CRASH, {"a": 0}, None).give_up
 
 
 def test_a_step_runs_unsuspected_requests_first_then_each_group_oldest_first():
@@ -168,3 +144,30 @@ def test_a_world_starts_empty_and_a_poison_batch_begins_an_isolation():
     w.apply(("step", None, False))
     assert w.families == {"origin"} and sorted(w.machine.marks) == ["r0", "r1"]
     assert check(w) == []
+
+
+# Last in the file: the unit tests above fail faster, for the mutation runner.
+class IsolationMachine(RuleBasedStateMachine):
+    """Requests arrive (innocent or poison), walk away, and steps run; the scope
+    (budget, faults allowed) is drawn once per run."""
+
+    @initialize(max_restarts=st.integers(1, 3), transients=st.integers(0, 2),
+                restart_failures=st.integers(0, 2), aborts=st.booleans())
+    def start(self, max_restarts, transients, restart_failures, aborts):
+        scope = IsolationScope("hypothesis", max_arrivals=10, max_live=6, max_poisons=4,
+                               tokens=3, transients=transients, restart_failures=restart_failures,
+                               aborts=aborts, max_restarts=max_restarts)
+        self.world = World.start(scope)
+
+    @rule(data=st.data())
+    def move(self, data):
+        moves = list(self.world.moves())
+        if moves:
+            self.world.apply(data.draw(st.sampled_from(moves), label="move"))
+
+    @invariant()
+    def every_property_holds(self):
+        assert check(self.world) == []
+
+
+TestIsolationMachine = IsolationMachine.TestCase
