@@ -84,6 +84,7 @@ class World:
     num_restart_failures: int = 0
     num_aborts: int = 0
     unaccompanied: bool = False  # a poison was live with no innocent beside it
+    crowded: bool = False  # a failed call ran two poisons or more
     # Ghost: requests convicted (with the verdict), counted failures, each
     # request's latest origin, origins with a call succeeded since, refunds due.
     convicted: dict[str, bool] = attrs.Factory(dict)
@@ -153,8 +154,10 @@ class World:
         parts = machine.partition(self.tokens) if isolating else [(None, list(self.tokens))]
         failure = None
         for n, (group, members) in enumerate(parts):
-            poisoned = any(self.kinds[rid] == POISON for rid in members)
+            num_poisons = sum(self.kinds[rid] == POISON for rid in members)
+            poisoned = num_poisons > 0
             if poisoned or n == fault:
+                self.crowded |= num_poisons > 1
                 self.num_transients += not poisoned
                 failure = (group, members)
                 break
@@ -250,7 +253,7 @@ class World:
                  tuple(sorted(rank[t] for t in self.refund_due if t in rank)),
                  tuple(sorted(rank[t] for t in self.refunded if t in rank)))
         return (tuple(sorted(self.kinds.items())), tuple(sorted(self.tokens.items())), self.closed,
-                self.num_poisons, self.num_transients, self.num_restart_failures, self.num_aborts > 0, self.unaccompanied,
+                self.num_poisons, self.num_transients, self.num_restart_failures, self.num_aborts > 0, self.unaccompanied, self.crowded,
                 bool(self.wrong_verdicts), machine, ghost)
 
 
@@ -265,11 +268,14 @@ def no_innocent_convicted(w: World) -> str | None:
 
 
 def poisons_never_close(w: World) -> str | None:
-    """Poisons among other traffic (never live without an innocent request beside
-    them), at any spacing, never close the engine while max_restarts is at least
-    1, unless another fault strikes or a client walks away. (Poisons with no
-    innocent beside them fail as a broken executor would, and count as one.)"""
-    faults = w.num_transients or w.num_restart_failures or w.num_aborts or w.unaccompanied
+    """Poisons among other traffic, at any spacing, never close the engine while
+    max_restarts is at least 1: with at most one poison in each failed call (as
+    for `no_innocent_convicted`), never one live without an innocent beside it,
+    no other fault and nobody walking away. (Poisons with nothing working beside
+    them, or several suspected at once, can fail more often in a row than the
+    cap that protects against a broken executor, and then count as its failures would.)"""
+    faults = (w.num_transients or w.num_restart_failures or w.num_aborts or w.unaccompanied
+              or w.crowded)
     if w.closed and w.scope.max_restarts >= 1 and not faults:
         return f"the engine closed with {w.num_poisons} poisons and no other fault"
     return None
@@ -285,6 +291,8 @@ def counted_only_without_culprit(w: World) -> str | None:
     actual = sorted(t for t, _ in w.machine._times)
     if expected != actual:
         return f"counted failures {actual}, expected {expected} (refunded: {sorted(w.refunded)})"
+    if len(w.machine._refunds) != len(w.refund_due):
+        return f"{len(w.machine._refunds)} refunds due, expected {len(w.refund_due)}"
     return None
 
 

@@ -122,6 +122,38 @@ def test_failed_restarts_count_and_close_the_budget():
     assert m.restart_failed(12.5, "restart failed: x"), "the first two left the window"
 
 
+def test_a_failure_nobody_is_blamed_for_still_ends_its_row_at_the_next_success():
+    """An answer out of turn blames nobody (no requests): it counts, begins no
+    isolation, and the next successful call ends the row of failures."""
+    m = Isolation(1, 100.0)
+    decision = m.call_failed(1.0, "executor answered step 4 when step 5 was sent", {}, None)
+    assert decision.counted and not m.groups and m.num_charged == 1
+    m.call_succeeded()
+    assert m.num_in_a_row == 0 and m.num_charged == 1
+
+
+def test_the_allowance_of_a_fresh_row_is_that_of_its_own_isolation():
+    """A batch of eight raised the allowance; once a call succeeds and a lone request
+    fails anew, its row may cost only what one request's isolation needs."""
+    m = Isolation(5, 100.0)
+    m.call_failed(1.0, CRASH, {f"r{i}": 0 for i in range(8)}, None)
+    m.give_up()
+    m.call_succeeded()
+    m.call_failed(2.0, CRASH, {"p": 0}, None)
+    for now in (3.0, 4.0):
+        (gid, _), = m.partition(["p", "q"])[-1:]
+        m.call_failed(now, "step 9 failed: another fault" if now == 3.0 else CRASH, {"p": 0}, gid)
+    (gid, _), = m.partition(["p"])
+    assert m.call_failed(5.0, CRASH, {"p": 0}, gid).counted, "the fourth failure in a row counts"
+
+
+def test_a_failure_leaves_the_window_exactly_when_the_window_has_passed():
+    m = Isolation(1, 10.0)
+    assert m.restart_failed(2.0, "restart failed: x")
+    assert not m.restart_failed(11.5, "restart failed: x")
+    assert m.restart_failed(12.0, "restart failed: x"), "2.0 is 10 s old at 12.0: out of the window"
+
+
 def test_giving_up_forgets_every_suspect():
     m = Isolation(1, 100.0)
     m.call_failed(1.0, CRASH, {"a": 0, "b": 0}, None)
