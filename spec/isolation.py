@@ -303,14 +303,17 @@ def verdicts_are_earned(w: World) -> str | None:
 
 
 def suspects_end_convicted_or_cleared(w: World) -> str | None:
-    """Every suspect is live, in exactly one suspect group, and with no request
-    live nobody is suspected: each one ended convicted or cleared."""
+    """Every suspect is in exactly one suspect group, with no request live nobody
+    is suspected (each one ended convicted or cleared), and what is kept about a
+    suspect (its failures alone, its origin) goes with it."""
     m = w.machine
     members = [rid for group in m.groups.values() for rid in group]
     if sorted(members) != sorted(m.marks):
         return f"suspect groups {list(m.groups.values())} do not match the suspects {sorted(m.marks)}"
     if not w.tokens and (m.marks or m.groups):
         return f"no request is live, yet suspects {sorted(m.marks)} remain"
+    if not set(m._alone) <= set(m.marks):
+        return f"failures alone kept for {sorted(set(m._alone) - set(m.marks))}, no longer suspects"
     kept = set(m._origin_of.values()) | set(m._refunds)
     if set(m._origins) != kept:
         return f"origins {sorted(m._origins)} kept, {sorted(kept)} have suspects or a refund due"

@@ -232,7 +232,6 @@ class Isolation:
         for suspects in (live[:half], live[half:]):
             if suspects:
                 self._add_group(suspects, lineage)
-        self._drop_resolved()
         return None, origin
 
     def _convict(self, request_id: str, lineage: int | None) -> Conviction:

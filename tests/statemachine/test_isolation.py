@@ -48,7 +48,8 @@ def test_a_lone_poison_is_convicted_within_the_allowance_and_refunded_after_a_su
     assert not second.counted and second.conviction is None
     (gid, _), = m.partition(["p"])
     third = m.call_failed(3.0, CRASH, {"p": 0}, gid)
-    assert m.num_in_a_row == BASE_UNCOUNTED_IN_A_ROW == 1 + CONVICTING_FAILURES
+    assert m.num_in_a_row == BASE_UNCOUNTED_IN_A_ROW == 1 + CONVICTING_FAILURES == m.num_failures
+    assert m.last_failure == CRASH
     assert not third.counted and not third.give_up
     assert third.conviction is not None and third.conviction.request_id == "p"
     assert not third.conviction.verdict, "nothing else ran: the executor may be at fault"
@@ -105,6 +106,32 @@ def test_an_isolation_that_finds_nobody_counts_once_its_suspects_are_cleared():
     assert m.call_failed(2.0, CRASH, {"c": 0}, None).give_up
 
 
+def test_suspects_the_failed_call_did_not_run_stay_suspects_in_a_group_of_their_own():
+    """A group of two fails with only one of them scheduled (the other waits): the
+    one that ran is split off as before, the other stays suspected, apart."""
+    m = Isolation(1, 100.0)
+    m.call_failed(1.0, CRASH, {"a": 0, "b": 0, "c": 0, "d": 0}, None)
+    gid, members = m.partition(["a", "b", "c", "d"])[0]
+    assert members == ["a", "b"]
+    m.call_failed(2.0, CRASH, {"a": 0}, gid)
+    assert sorted(map(sorted, m.groups.values())) == [["a"], ["b"], ["c", "d"]]
+    assert sorted(m.marks) == ["a", "b", "c", "d"]
+
+
+def test_a_different_failure_alone_starts_the_count_again_at_one():
+    """Alone: one failure, then another kind twice; the second of the new kind convicts."""
+    m = Isolation(1, 100.0)
+    m.call_failed(1.0, CRASH, {"p": 0, "q": 0}, None)
+    (gid, _), = m.partition(["p"])
+    assert m.call_failed(2.0, CRASH, {"p": 0}, gid).conviction is None
+    other = "step 5 failed: out of memory"
+    for now in (3.0, 4.0):
+        (gid, _), = m.partition(["p"])
+        decision = m.call_failed(now, other, {"p": 0}, gid)
+    assert not decision.counted and decision.conviction is not None
+    assert "2 times alone" in decision.conviction.detail and "out of memory" in decision.conviction.detail
+
+
 def test_a_named_failure_forgets_the_suspect():
     m = Isolation(1, 100.0)
     m.call_failed(1.0, CRASH, {"a": 0, "b": 0}, None)
@@ -120,6 +147,11 @@ def test_failed_restarts_count_and_close_the_budget():
     assert not m.restart_failed(3.0, "restart failed: x")
     assert m.num_failures == 3 and m.num_in_a_row == 3 and m.last_failure == "restart failed: x"
     assert m.restart_failed(12.5, "restart failed: x"), "the first two left the window"
+
+
+def test_a_success_with_nothing_to_note_refunds_nothing():
+    m = Isolation(1, 100.0)
+    assert m.call_succeeded() == 0 and m.num_in_a_row == 0
 
 
 def test_a_failure_nobody_is_blamed_for_still_ends_its_row_at_the_next_success():
