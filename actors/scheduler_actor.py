@@ -1,9 +1,9 @@
 """The scheduler actor: the only caller of the scheduling core, and the
 supervisor of the executor.
 
-It runs two tasks. The inbox task applies submissions and aborts to the core
-as they arrive (an abort frees its blocks at once, even mid-step). The step
-task loops: plan a step with `core.schedule()`, send it to the executor,
+It runs two tasks. The inbox task (`RequestRouter`, actors/routing.py) applies
+submissions and aborts to the core as they arrive (an abort frees its blocks at
+once, even mid-step). The step task, this class, loops: plan a step with `core.schedule()`, send it to the executor,
 apply the result with `core.update()`, and route every event the core
 returns to the request actors. While the executor runs step N it plans step
 N+1 when that cannot split the batch: only if no request of step N awaits a
@@ -22,9 +22,9 @@ no cycle of full buffers to wait on.
 Supervision: a step that raises `ExecutorError`, outlives `step_timeout_s`,
 or answers for another step makes the core forget the executor
 (`executor_lost()`: running requests go back to waiting and are recomputed,
-the prefix cache is reset) and the executor is killed and started again,
-after a pause that doubles with each failure in a row (with jitter, up to
-`restart_backoff_max_s`). More than `max_restarts` counted failures within
+the prefix cache is reset) and the executor is killed and started again
+(`ExecutorSupervisor`, actors/supervision.py), after a pause that doubles with
+each failure in a row (with jitter, up to `restart_backoff_max_s`). More than `max_restarts` counted failures within
 `restart_window_s` fail every live request and close the engine to new ones.
 
 Poison requests: a request the executor names in `StepOutput.failed` fails
