@@ -41,6 +41,7 @@ from .executor import ExecutorBackend
 from .messages import InitExecutor, OptionValue
 from .request_actor import RequestActor, RequestOutput, RequestResult, join_logprobs
 from .scheduler_actor import SchedulerActor, StepListener
+from .supervision import ExecutorSupervisor
 from .simulated import LatencyModel, SimulatedExecutor
 from .structured import DEFAULT_GRAMMAR_CACHE_SIZE, GrammarCompiler, compiler_for
 from .trace import TraceRecorder
@@ -259,7 +260,7 @@ class RequestStream:
         return self
 
     def _submit(self, actor: RequestActor) -> None:
-        self._engine.scheduler.submit(actor)
+        self._engine.scheduler.router.submit(actor)
         self._actor = actor
 
     async def start(self) -> RequestStream:
@@ -470,7 +471,7 @@ class Engine:
         """
         if request_id not in self.scheduler.actors:
             raise RequestNotFoundError(f"no live request with id {request_id!r}")
-        self.scheduler.abort_nowait(request_id, detail)
+        self.scheduler.router.abort_nowait(request_id, detail)
         await trio.lowlevel.checkpoint()
 
     def stats(self) -> StatsSummary:
@@ -479,7 +480,7 @@ class Engine:
 
     async def wait_idle(self) -> None:
         """Wait until every submitted request has completed."""
-        await self.scheduler.wait_idle()
+        await self.scheduler.router.wait_idle()
 
     async def prepare_structured_output(self, params: SamplingParams | None) -> None:
         """Compile the structured output of `params` in a worker thread, unless it is
@@ -567,7 +568,7 @@ class Engine:
 
     def _submit_group(self, streams: list[RequestStream], actors: list[RequestActor]) -> None:
         """Hand a request group's actors to the scheduler together."""
-        self.scheduler.submit_group(actors)
+        self.scheduler.router.submit(list(actors))
         for stream, actor in zip(streams, actors):
             stream._actor = actor
 
@@ -604,7 +605,7 @@ class Engine:
             assembler = TextAssembler(tokenizer, token_ids,
                                       stops if stops is not None else params.stop,
                                       params.include_stop_str_in_output)
-        return RequestActor(request, params, self.scheduler.abort_nowait, assembler, timeout_s)
+        return RequestActor(request, params, self.scheduler.router.abort_nowait, assembler, timeout_s)
 
     def _block_salt(self, tenant: str, cache_salt: str | None, params: SamplingParams) -> str | None:
         """The salt of a request's prefix-cache keys. A request that asks for prompt
@@ -745,21 +746,21 @@ async def _run_engine(config: EngineConfig, on_step: StepListener | None) -> Asy
         sched_config = _fit_model_len(sched_config, ready.max_model_len)
         core = Scheduler(sched_config, attrs.evolve(cache, num_blocks=ready.num_blocks))
         async with trio.open_nursery() as nursery:
+            supervisor = ExecutorSupervisor(
+                backend, init, step_timeout_s=config.step_timeout_s,
+                start_timeout_s=config.start_timeout_s, restart_backoff_s=config.restart_backoff_s,
+                restart_backoff_max_s=config.restart_backoff_max_s, rng=random.Random(config.seed))
             scheduler = SchedulerActor(
-                core, backend, init, ready, nursery.start_soon,
-                step_timeout_s=config.step_timeout_s, start_timeout_s=config.start_timeout_s,
-                max_restarts=config.max_restarts, restart_window_s=config.restart_window_s,
-                restart_backoff_s=config.restart_backoff_s,
-                restart_backoff_max_s=config.restart_backoff_max_s,
-                rng=random.Random(config.seed), plan_ahead=config.plan_ahead, trace=trace,
-                on_step=on_step)
+                core, supervisor, nursery.start_soon, max_restarts=config.max_restarts,
+                restart_window_s=config.restart_window_s, plan_ahead=config.plan_ahead,
+                trace=trace, on_step=on_step)
             await nursery.start(scheduler.run)
             engine = Engine(config, scheduler, tokenizer, frozenset(ready.eos_token_ids),
                             ready.vocab_size, trace, bytes_per_token)
             try:
                 yield engine
             finally:
-                scheduler.close()
+                scheduler.router.close()
                 nursery.cancel_scope.cancel()
     finally:
         with trio.CancelScope(shield=True):

@@ -408,7 +408,7 @@ class ChildProcessExecutor:
         timeout_s = self._heartbeat_timeout_s
         with trio.move_on_after(math.inf if timeout_s is None else timeout_s):
             try:
-                frame = await receive_frame(stream, self._max_frame_bytes)
+                frame = await self._frame_while_alive(stream)
             except (trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError) as exc:
                 raise await self._lost(what, exc) from exc
             if frame is None:
@@ -422,6 +422,33 @@ class ChildProcessExecutor:
         await self.kill()
         raise ExecutorError(f"executor process sent no heartbeat for {timeout_s} s during {what} "
                             f"(stopped or frozen) and was killed")
+
+    async def _frame_while_alive(self, stream: trio.SocketStream) -> bytes | None:
+        """The next frame, or None at end of stream or once the child has exited
+        (a process it forked may hold the socket open after it died)."""
+        process = self._process
+        if process is None:
+            return await receive_frame(stream, self._max_frame_bytes)
+        box: list = []
+        async with trio.open_nursery() as nursery:
+
+            async def receive() -> None:
+                try:
+                    box.append(await receive_frame(stream, self._max_frame_bytes))
+                except (trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError) as exc:
+                    box.append(exc)  # raised below, outside the nursery's exception group
+                nursery.cancel_scope.cancel()
+
+            async def exited() -> None:
+                await process.wait()
+                await trio.sleep(_EXIT_GRACE_S)  # what it sent before exiting still arrives
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(receive)
+            nursery.start_soon(exited)
+        if box and isinstance(box[0], BaseException):
+            raise box[0]
+        return box[0] if box else None
 
     async def _lost(self, what: str, cause: BaseException | None) -> ExecutorError:
         """The connection broke: give the child a moment to exit, reap it, and say how it ended."""

@@ -17,6 +17,9 @@ import pytest
 
 from cadence.actors.bench import load_workload
 
+# Builds and installs a wheel: several pip runs of up to 300 s each.
+pytestmark = pytest.mark.timeout(1200)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("cadence.statemachine", "cadence.actors", "cadence.actors.serve", "cadence.gpu", "cadence.spec")
 EXPECTED_FILES = (

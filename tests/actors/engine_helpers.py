@@ -71,3 +71,11 @@ async def gather_outcomes(engine, prompts: dict, params=None, *, delays=None, on
         for rid in prompts:
             nursery.start_soon(one, rid)
     return outcomes
+
+
+async def watch_health(engine, seen: list[str], interval_s: float = 0.05) -> None:
+    """Append `engine.health` to `seen` whenever it changes, until cancelled."""
+    while True:
+        if not seen or seen[-1] != engine.health:
+            seen.append(engine.health)
+        await trio.sleep(interval_s)

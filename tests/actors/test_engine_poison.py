@@ -7,6 +7,8 @@ alone; the others keep every token; such failures do not use up max_restarts.
 
 from __future__ import annotations
 
+import pytest
+
 from cadence.actors import ExecutorError, PoisonRequestError, SamplingParams, open_engine
 from cadence.actors.simulated import Fault, FaultPlan, Poison
 from engine_helpers import config, gather_outcomes, text_executor
@@ -135,5 +137,56 @@ async def test_a_transient_fault_in_a_suspect_group_blames_nobody(autojump_clock
         outcomes = await run_all(engine, [f"r{i}" for i in range(4)])
         scheduler = engine.scheduler
         assert scheduler.num_failures == 1 and scheduler.num_poisoned == 0
-        assert not scheduler._groups, "every suspect was cleared once it produced a token"
+        assert not scheduler.isolation.groups, "every suspect was cleared once it produced a token"
     check_innocents(executor, outcomes, set())
+
+
+STREAM_TOKENS = 80
+
+
+@pytest.mark.parametrize("apart_s", [1.0, 3.0, 6.0])
+async def test_two_poisons_arriving_seconds_apart_do_not_close_the_engine(autojump_clock, apart_s):
+    """Eight innocent streams, a poison, and another poison seconds later, while the
+    first is still being isolated: with one restart to spare, each isolation's
+    failure is its own and is refunded when its culprit is found."""
+    executor = text_executor(faults=FaultPlan(poison={"p0": Poison.CRASH, "p1": Poison.CRASH}))
+    cfg = config(executor, max_num_seqs=10, max_restarts=1, restart_window_s=1e6,
+                 schedule_interval_us=100_000)
+    innocents = [f"r{i}" for i in range(8)]
+    params = {rid: SamplingParams(max_tokens=STREAM_TOKENS) for rid in innocents}
+    params |= {p: SamplingParams(max_tokens=MAX_TOKENS) for p in ("p0", "p1")}
+    async with open_engine(cfg) as engine:
+        outcomes = await gather_outcomes(engine, {rid: prompt(rid, False) for rid in [*innocents, "p0", "p1"]},
+                                         params, delays={"p0": 0.5, "p1": 0.5 + apart_s})
+        assert not engine.closed, engine.scheduler.closed_reason
+        assert engine.stats().num_poisoned_requests == 2
+        assert engine.scheduler.isolation.num_charged == 0, "both culprits found: nothing counts"
+    for p in ("p0", "p1"):
+        assert isinstance(outcomes[p], PoisonRequestError) and repr(p) in str(outcomes[p])
+    for rid in innocents:
+        prompt_len = len(prompt(rid, False))
+        assert outcomes[rid] == [executor.expected_token(rid, prompt_len + k) for k in range(STREAM_TOKENS)]
+
+
+async def test_a_lone_poison_costs_no_more_failures_in_a_row_than_its_isolation_allows(autojump_clock):
+    """A poison with nothing else running fails the batch, then twice alone: the third
+    failure in a row is the last that may go uncounted, so at the default
+    max_restarts one more counted failure there would close the engine by the
+    third such poison. Each is refunded once the next request runs, so a fourth
+    does not close it either."""
+    poisons = {f"p{i}": Poison.CRASH for i in range(4)}
+    executor = text_executor(faults=FaultPlan(poison=poisons))
+    # A window no restart leaves: the simulated executor's starts take virtual minutes.
+    async with open_engine(config(executor, restart_backoff_s=0.01, restart_window_s=1e6)) as engine:
+        assert engine.scheduler.isolation.max_restarts == 3  # the default
+        for i in range(4):
+            outcomes = await run_all(engine, [f"p{i}"])
+            error = outcomes[f"p{i}"]
+            # Nothing else ran while it was isolated: no verdict, the executor may be at fault.
+            assert isinstance(error, ExecutorError) and not isinstance(error, PoisonRequestError)
+            assert "makes the executor fail" in str(error) and "2 times alone" in str(error)
+            assert engine.scheduler.num_failures == 3 * (i + 1), "the batch, then twice alone"
+            assert not engine.closed, engine.scheduler.closed_reason
+            outcomes = await run_all(engine, [f"a{i}"])
+            check_innocents(executor, outcomes, set())
+            assert engine.scheduler.isolation.num_charged == 0

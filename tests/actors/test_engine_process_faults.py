@@ -8,9 +8,13 @@ poison and what every other request must produce.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import signal
+import sys
+
+import attrs
 
 import pytest
 import trio
@@ -20,7 +24,8 @@ from cadence.actors import (
     open_engine,
 )
 from cadence.actors.executor_worker import deterministic_token
-from engine_helpers import gather_outcomes
+from cadence.actors.executors import ChildProcessExecutor
+from engine_helpers import gather_outcomes, watch_health
 
 # A guard against a hang, far above what each test needs; never a measure of speed.
 GUARD_S = 60.0
@@ -172,7 +177,59 @@ async def test_out_of_file_descriptors_the_restarts_back_off_instead_of_burning_
                 outcomes = await run_all(engine, {"r0": prompt("r0")}, params)
             assert not engine.closed and scheduler.num_restarts == 1
             assert "Too many open files" in scheduler.last_failure
-            delays = list(scheduler.restart_delays_s)
+            delays = list(scheduler.supervisor.restart_delays_s)
     assert outcomes["r0"] == [deterministic_token("r0", 2 + k) for k in range(30)]
     assert len(delays) >= 5
     assert all(later > earlier for earlier, later in zip(delays[:4], delays[1:5]))
+
+
+# A worker that first forks a helper holding every descriptor it has, the socket
+# to the engine included (as a compiler's worker pool forked mid-step may): once
+# the worker dies, its socket stays open and no end of stream ever comes.
+_FORKING_WORKER = """
+import os, sys, time
+if os.fork() == 0:
+    with open(sys.argv[sys.argv.index("--helper-pid-file") + 1], "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(120)
+    os._exit(0)
+from cadence.actors.executor_worker import main
+args = sys.argv[1:]
+i = args.index("--helper-pid-file")
+sys.exit(main(args[:i] + args[i + 2:]))
+"""
+
+
+async def test_a_child_killed_in_the_first_step_is_noticed_though_its_socket_stays_open(tmp_path):
+    """The child dies in the engine's first step while a helper it forked keeps the
+    socket open, and the heartbeat timeout is long: the engine sees the child exit,
+    is degraded while it restarts it, and the request is computed again, whole."""
+    pid_file = tmp_path / "helper.pid"
+    command = [sys.executable, "-c", _FORKING_WORKER, "--helper-pid-file", str(pid_file)]
+    backend = ChildProcessExecutor(command, heartbeat_timeout_s=GUARD_S)
+    cfg = attrs.evolve(process_config(step_timeout_s=3600.0, executor_options={"step_delay_s": 0.2}),
+                       executor=backend)
+    killed: list[int] = []
+    health: list[str] = []
+
+    def kill_in_first_step(plan, now) -> None:
+        if not killed:
+            killed.append(backend.pid)
+            os.kill(backend.pid, signal.SIGKILL)
+
+    try:
+        with trio.fail_after(GUARD_S / 2):
+            async with open_engine(cfg, on_step=kill_in_first_step) as engine:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(watch_health, engine, health, 0.01)
+                    outcomes = await run_all(engine, {"r0": prompt("r0")})
+                    nursery.cancel_scope.cancel()
+                scheduler = engine.scheduler
+                assert scheduler.num_failures == 1 and scheduler.num_restarts == 1
+                assert "SIGKILL" in scheduler.last_failure and "step 0" in scheduler.last_failure
+    finally:
+        for line in pid_file.read_text().split() if pid_file.exists() else ():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(line), signal.SIGKILL)
+    assert killed and "degraded" in health and health[-1] == "ok"
+    assert outcomes["r0"] == expected("r0", prompt("r0"))

@@ -11,7 +11,7 @@ from cadence.actors import (
     EngineClosedError, ExecutorError, PoisonRequestError, SamplingParams, open_engine,
 )
 from cadence.actors.simulated import Fault, FaultPlan
-from engine_helpers import config, text_executor
+from engine_helpers import config, text_executor, watch_health
 
 
 async def run_requests(engine, num_requests: int, max_tokens: int) -> dict[str, list[int]]:
@@ -155,7 +155,7 @@ async def test_restarts_that_keep_failing_back_off_exponentially_and_boundedly(a
     cfg = config(executor, max_restarts=10, restart_backoff_s=0.5, restart_backoff_max_s=4.0)
     async with open_engine(cfg) as engine:
         tokens = await run_requests(engine, 2, 5)
-        delays = list(engine.scheduler.restart_delays_s)
+        delays = list(engine.scheduler.supervisor.restart_delays_s)
         assert engine.stats().num_executor_failures == 7 and engine.stats().num_executor_restarts == 1
     assert all(out == expected(executor, rid, 5) for rid, out in tokens.items())
     assert len(delays) == 7
@@ -173,7 +173,7 @@ async def test_restart_pauses_are_drawn_from_the_engine_seed(autojump_clock):
         executor = text_executor(faults=FaultPlan(at={2: Fault.CRASH}, fail_starts={1, 2, 3}))
         async with open_engine(config(executor, max_restarts=10, seed=seed)) as engine:
             await run_requests(engine, 1, 4)
-            return list(engine.scheduler.restart_delays_s)
+            return list(engine.scheduler.supervisor.restart_delays_s)
 
     first, again, other = await delays_for(1), await delays_for(1), await delays_for(2)
     assert first == again and first != other
@@ -184,15 +184,8 @@ async def test_health_is_degraded_while_the_executor_restarts(autojump_clock):
     seen: list[str] = []
     async with open_engine(config(executor, restart_backoff_s=1.0)) as engine:
         assert engine.health == "ok"
-
-        async def watch() -> None:
-            while True:
-                if not seen or seen[-1] != engine.health:
-                    seen.append(engine.health)
-                await trio.sleep(0.05)
-
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(watch)
+            nursery.start_soon(watch_health, engine, seen)
             await run_requests(engine, 2, 5)
             await trio.sleep(0.1)
             nursery.cancel_scope.cancel()

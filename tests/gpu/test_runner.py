@@ -174,6 +174,7 @@ for x, y in zip(run("reference"), run("triton")):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="test_cuda.py runs the compiled kernels")
+@pytest.mark.timeout(900)  # the interpreter's run is allowed 600 s
 def test_triton_backend_plugs_in_under_the_interpreter():
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}

@@ -2,7 +2,12 @@
 
 import textwrap
 
+import pytest
+
 from cadence.spec.check import check_policy, main
+
+# `cadence check` explores whole scopes.
+pytestmark = pytest.mark.timeout(1800)
 
 
 def test_a_clean_policy_exits_zero(capsys, shared_explorer):

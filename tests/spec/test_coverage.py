@@ -18,6 +18,9 @@ from cadence.spec.stateful import SMALL_CONFIG, scheduler_state_machine, state_m
 from cadence.statemachine import scheduler as core
 from cadence.statemachine.config import CacheConfig, SchedulerConfig
 
+# Whole-scope explorations: minutes each on a loaded 2-core machine.
+pytestmark = pytest.mark.timeout(1800)
+
 LIVE_POLICIES = ["fcfs", "priority", "deadline", "fair"]
 
 

@@ -11,6 +11,9 @@ import pytest
 from cadence.spec.explore import CI_SCOPES, SCOPES, Scope, Shape, canonical_key, explore
 from cadence.spec.harness import Harness
 
+# Whole-scope explorations: minutes each on a loaded 2-core machine.
+pytestmark = pytest.mark.timeout(1800)
+
 LIVE_POLICIES = ["fcfs", "priority", "deadline", "fair"]
 REACH_SCOPES = [name for name in CI_SCOPES if SCOPES[name].max_depth is not None]
 

@@ -6,7 +6,12 @@ runner's mutated tree back onto the checkout, so every mutant passed unseen.)"""
 
 from __future__ import annotations
 
+import pytest
+
 from cadence.spec import mutation
+
+# Two runs of a suite in a fresh tree, each allowed 300 s.
+pytestmark = pytest.mark.timeout(900)
 
 SUITE = ("tests/statemachine/test_core_length_estimate.py",)
 

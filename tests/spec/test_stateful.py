@@ -15,6 +15,9 @@ from cadence.spec.stateful import (
 )
 from cadence.statemachine.policy import KeyedPolicy
 
+# Hypothesis machines over whole configurations.
+pytestmark = pytest.mark.timeout(900)
+
 TestFcfs = scheduler_state_machine(attrs.evolve(SMALL_CONFIG, policy="fcfs")).TestCase
 TestPriority = scheduler_state_machine(
     attrs.evolve(SMALL_CONFIG, policy="priority")).TestCase
