@@ -357,6 +357,8 @@ def _build_model_runner(init: InitExecutor) -> ModelRunnerLike:
         "dtype": init.dtype or None,
         "seed": init.seed,
         "max_num_batched_tokens": init.max_num_batched_tokens,
+        # The engine's model thread is the runner's own: its compute threads get cores.
+        "pin_threads": True,
     }
     for name in ("attention_backend", "gpu_memory_utilization", "max_num_seqs", "fused_elementwise",
                  "num_threads", "cpu_path", "pin_threads"):
@@ -383,6 +385,8 @@ def _build_tensor_parallel_runner(init: InitExecutor, tp: int) -> ModelRunnerLik
         "dtype": init.dtype or None,
         "seed": init.seed,
         "max_num_batched_tokens": init.max_num_batched_tokens,
+        # The engine's model thread is the runner's own: its compute threads get cores.
+        "pin_threads": True,
     }
     for name in ("attention_backend", "gpu_memory_utilization", "max_num_seqs"):
         if name in init.options:

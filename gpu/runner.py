@@ -260,8 +260,9 @@ class ModelRunner:
     num_threads: torch's CPU threads while this runner computes, set from the
       constructing thread before the first kernel (which should be the thread that
       runs `execute`); "auto" follows `cadence.gpu.threads`, None leaves torch's.
-    pin_threads: pin the compute threads one per core when `num_threads` is set
-      (see `cadence.gpu.threads.pin_compute_threads`).
+    pin_threads: pin the constructing thread and its compute team one per core when
+      `num_threads` is set (see `cadence.gpu.threads.pin_compute_threads`); the
+      engine's executors ask for it, since their model thread is the runner's own.
     cpu_path: how a CPU runner computes its products: "packed" (weights prepacked
       for oneDNN, q/k/v and gate/up merged; `cadence.gpu.cpu_linear`) or "eager"
       (torch's plain ops, the path parity tests compare with); "auto" is packed
@@ -304,7 +305,7 @@ class ModelRunner:
         balanced_decode_attention: bool | BalanceConfig = False,
         num_threads: int | str | None = AUTO,
         cpu_path: str = AUTO,
-        pin_threads: bool = True,
+        pin_threads: bool = False,
     ) -> None:
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}")

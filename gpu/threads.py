@@ -13,7 +13,7 @@ split profitably, else half the cores this process may run on, so that a few
 competing processes still leave every team member a core.
 
 Each compute thread is then pinned to a core of its own (`pin_compute_threads`),
-the last cores of the process's set, as vLLM's CPU backend binds its OpenMP
+the cores of the process's set its other runners took least, as vLLM's CPU backend binds its OpenMP
 threads: a team member the scheduler moves between cores loses its caches and,
 at a barrier, stalls the others; the engine's own threads (event loop, clients)
 keep the remaining cores.
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -91,6 +92,11 @@ def set_num_threads(num_threads: int | None) -> None:
         torch.set_num_threads(num_threads)
 
 
+# Compute threads pinned to each core by this process's runners so far.
+_pins: Counter[int] = Counter()
+_pins_lock = threading.Lock()
+
+
 def _thread_ids() -> set[int]:
     try:
         return {int(name) for name in os.listdir("/proc/self/task")}
@@ -112,7 +118,11 @@ def pin_compute_threads(num_threads: int | None) -> tuple[int, ...] | None:
     cores = sorted(os.sched_getaffinity(0))
     if num_threads > len(cores):
         return None
-    chosen = tuple(cores[-num_threads:])
+    with _pins_lock:
+        # The cores this process's runners have taken least, the last ones first, so
+        # that several engines of one process do not share a core while others idle.
+        chosen = tuple(sorted(sorted(cores, reverse=True), key=_pins.__getitem__)[:num_threads])
+        _pins.update(chosen)
     before = _thread_ids()
     os.sched_setaffinity(0, {chosen[0]})
     if num_threads > 1:

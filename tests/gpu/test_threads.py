@@ -103,7 +103,7 @@ def test_compute_threads_are_pinned_one_per_core():
     if len(usable) < 2:
         pytest.skip(f"pinning two threads needs two usable cores, this process has {len(usable)}")
     cores, own, team = in_fresh_thread(_affinities)
-    assert cores == tuple(usable[-2:])
+    assert sorted(cores) == usable[-2:]
     assert own == {cores[0]}  # the thread that runs the model
     assert {core for affinity in team.values() for core in affinity} >= {cores[1]}
     assert all(len(affinity) == 1 for affinity in team.values())
@@ -116,3 +116,43 @@ def test_more_threads_than_cores_pin_nothing():
 
     assert pin_compute_threads(None) is None
     assert in_fresh_thread(lambda: pin_compute_threads(len(os.sched_getaffinity(0)) + 1)) is None
+
+
+def test_runners_of_one_process_take_the_least_pinned_cores(monkeypatch):
+    import os
+    from collections import Counter
+
+    from cadence.gpu import threads
+
+    monkeypatch.setattr(threads, "_pins", Counter())
+    usable = sorted(os.sched_getaffinity(0))
+    if len(usable) < 2:
+        pytest.skip(f"needs two usable cores, this process has {len(usable)}")
+    first = in_fresh_thread(lambda: threads.pin_compute_threads(1))
+    second = in_fresh_thread(lambda: threads.pin_compute_threads(1))
+    assert first == (usable[-1],) and second == (usable[-2],)
+
+
+def test_a_runner_built_directly_leaves_its_thread_unpinned():
+    import os
+
+    def build():
+        before = os.sched_getaffinity(0)
+        runner = ModelRunner(preset("tiny"), num_blocks=4, device="cpu", num_threads=1)
+        return runner.pinned_cores, os.sched_getaffinity(0) == before
+
+    assert in_fresh_thread(build) == (None, True)
+
+
+def test_the_engines_runner_pins_its_model_thread_unless_told_not_to():
+    import os
+
+    def build(**options):
+        init = InitExecutor(model="tiny", dtype="", device="cpu", num_blocks=4, block_size=4, max_model_len=64,
+                            max_num_batched_tokens=64, seed=0, options={"num_threads": 1, **options})
+        runner = build_runner(init)
+        return runner.pinned_cores, os.sched_getaffinity(0)
+
+    cores, affinity = in_fresh_thread(build)
+    assert cores is not None and affinity == set(cores)
+    assert in_fresh_thread(lambda: build(pin_threads=False))[0] is None
