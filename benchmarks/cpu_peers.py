@@ -125,10 +125,12 @@ def vllm_python(work_dir: Path, given: str | None) -> str:
     return str(python)
 
 
-def prompts(count: int, seed: int = 0) -> list[list[int]]:
-    """`count` prompts of PROMPT_LEN token ids, the same for every engine."""
+def prompts(count: int, seed: int = 0, vocab_size: int = MODEL_SHAPE["vocab_size"]) -> list[list[int]]:
+    """`count` prompts of PROMPT_LEN token ids below `vocab_size` (past the special
+    ids), the same for every engine."""
     rng = random.Random(seed)
-    return [[rng.randrange(3, MODEL_SHAPE["vocab_size"]) for _ in range(PROMPT_LEN)] for _ in range(count)]
+    low = min(3, vocab_size - 1)
+    return [[rng.randrange(low, vocab_size) for _ in range(PROMPT_LEN)] for _ in range(count)]
 
 
 def peak_rss_mib() -> float:
@@ -386,6 +388,8 @@ def serve_once(engine: str, python: str, directory: Path, dtype: str, threads: i
     """Start one engine's server, measure every concurrency, stop it; one record per figure."""
     import concurrent.futures
 
+    vocab_size = json.loads((directory / "config.json").read_text())["vocab_size"]
+
     port = _free_port()
     argv, env = _server_command(engine, python, directory, dtype, threads, port, list(extra))
     launch = time.perf_counter()
@@ -405,12 +409,12 @@ def serve_once(engine: str, python: str, directory: Path, dtype: str, threads: i
     try:
         ready = _wait_ready(port, process, READY_TIMEOUT_S)
         model = "model" if engine == "vllm" else _served_name(port)
-        first = _one_request(port, model, prompts(1, seed=7)[0])
+        first = _one_request(port, model, prompts(1, seed=7, vocab_size=vocab_size)[0])
         records.append(dict(figure="launch", ready_s=round(ready - launch, 2),
                             first_token_after_launch_s=round(ready - launch + first["ttft_s"], 2)))
         for level in concurrency:
             count = max(num_requests, level) if level > 1 else max(4, num_requests // 8)
-            batch = prompts(count, seed=level)
+            batch = prompts(count, seed=level, vocab_size=vocab_size)
             start = time.perf_counter()
             with concurrent.futures.ThreadPoolExecutor(level) as pool:
                 results = list(pool.map(lambda p: _one_request(port, model, p), batch))
