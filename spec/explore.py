@@ -31,7 +31,7 @@ import attrs
 
 from cadence.statemachine.config import CacheConfig, SchedulerConfig
 from cadence.statemachine.fsm import RequestEventKind, RequestState
-from cadence.statemachine.policy import FairPolicy, KeyedPolicy
+from cadence.statemachine.policy import FairPolicy, KeyedPolicy, PriorityPolicy
 
 from . import coverage as cov
 from .harness import Harness
@@ -321,7 +321,8 @@ def _scheduler_extra(s, pos: dict[str, int] | None = None) -> tuple:
 
 def _policy_key(policy, pos, cap, tenants) -> tuple:
     if isinstance(policy, KeyedPolicy) and type(policy).__init__ is KeyedPolicy.__init__:
-        return ()
+        # The priorities queued so far decide whether `priority` may preempt.
+        return (policy._priority_span,) if isinstance(policy, PriorityPolicy) else ()
     if isinstance(policy, FairPolicy):
         counters = policy.counters
         base = min(counters.values()) if counters and tenants <= set(counters) else 0.0
