@@ -11,7 +11,9 @@ step counter jumps to the next arrival. The scheduler's clock reads STEP_S
 (20 ms) per step, or what `--step-s` says (repeatable: the matrix runs at each);
 the counters must not depend on it, since the core's policies count in steps
 and tokens, not seconds. Only `schedule()` + `update()` are timed, in CPU time
-of the driving thread. Waits are steps from arrival to first admission.
+of the driving thread. Waits are steps from arrival to first admission; the
+longest wait of the lowest priority is the `starve` preset's victim's, which the
+default `priority` serves within 1,000 steps at any clock (the aging bound).
 
 Prints one JSON line per run. Usage:
     python benchmarks/scheduler_overhead.py                    # every preset, fcfs, exact, caching on
@@ -242,14 +244,15 @@ def waiting_scaling(num_waiting: int, policy: str = "priority", num_tenants: int
 
 
 TABLE_FIELDS = ("steps", "tokens_scheduled", "preemptions", "median_wait", "p99_wait",
-                "median_wait_priority0", "us_per_req_step")
+                "median_wait_priority0", "max_wait_lowest_priority", "us_per_req_step")
 
 
 def table(rows: list[dict]) -> str:
     """A markdown table of matrix rows, the vLLM model's figures beside each."""
     head = ("| preset | policy | max_tokens | caching | s/step | steps | tokens | preempt | wait p50 | "
-            "wait p99 | prio-0 wait p50 | µs/req-step | vLLM steps | vLLM tokens | vLLM preempt "
-            "| vLLM wait p50 | vLLM p99 | vLLM prio-0 p50 |")
+            "wait p99 | prio-0 wait p50 | lowest-prio wait max | µs/req-step | vLLM steps | "
+            "vLLM tokens | vLLM preempt | vLLM wait p50 | vLLM p99 | vLLM prio-0 p50 | "
+            "vLLM lowest-prio max |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         if r["bench"] != "scheduler_overhead":
@@ -260,7 +263,8 @@ def table(rows: list[dict]) -> str:
             r["policy"], r["max_tokens"], "on" if r["prefix_caching"] else "off",
             r["step_s"], *(r[f] for f in TABLE_FIELDS),
             *(v.get(f, "") for f in ("steps", "tokens_scheduled", "preemptions", "median_wait",
-                                     "p99_wait", "median_wait_priority0")))) + " |")
+                                     "p99_wait", "median_wait_priority0",
+                                     "max_wait_lowest_priority")))) + " |")
     return "\n".join(lines)
 
 

@@ -77,3 +77,36 @@ def test_generous_max_tokens_take_no_more_steps_than_the_vllm_model_on_prefix(pr
     assert ours["steps"] <= theirs["steps"]
     assert ours["preemptions"] <= theirs["preemptions"]
     assert ours["tokens_scheduled"] <= theirs["tokens_scheduled"]
+
+
+@pytest.fixture(scope="module")
+def starve():
+    from workloads import engine_config, generate
+    return generate("starve"), engine_config("starve")
+
+
+@pytest.mark.parametrize("step_s", [1.0, 0.025])
+def test_the_starvation_victim_is_served_within_1000_steps_at_any_clock(starve, step_s):
+    """The `starve` preset: a priority-2 request in a stream of priority 0 that
+    overloads the engine. Under the default `priority` it waits at most 1,000
+    steps whatever a step lasts (the aging bound: after 2 * aging_steps no later
+    arrival ranks ahead of it); the vLLM model's priority policy, which does not
+    age, serves it only once the stream has drained."""
+    from workloads import STARVATION_STEP, STARVATION_VICTIM
+    trace, config = starve
+    victim = next(r for r in trace if r["id"] == STARVATION_VICTIM)
+    assert victim["arrival_step"] == STARVATION_STEP and victim["priority"] == 2
+    assert all(r["priority"] == 0 for r in trace if r is not victim)
+    ours = scheduler_overhead.replay(trace, config, "priority", True, "exact", step_s)
+    assert ours["finished_ok"]
+    assert ours["max_wait_lowest_priority"] <= 1000
+    # The bound, not luck: the victim waits longer than its aging window.
+    assert ours["max_wait_lowest_priority"] > 2 * scheduler_overhead.SchedulerConfig().aging_steps
+
+
+def test_without_aging_the_starvation_victim_waits_for_the_whole_stream(starve):
+    """The trace has teeth: vLLM's priority order serves the victim last."""
+    trace, config = starve
+    theirs = vllm_model.replay(trace, config, True, policy="priority")
+    assert theirs["max_wait_lowest_priority"] > 5 * 1000
+    assert theirs["max_wait_lowest_priority"] == theirs["max_wait"]
