@@ -5,8 +5,9 @@ one token for every scheduled request whose known tokens are all computed after
 the step, `update()`. A request finishes after exactly `output_len` tokens:
 with `--max-tokens exact` its max_tokens is output_len (EOS ignored); with
 `--max-tokens generous` its max_tokens is max_model_len - prompt and its last
-token is EOS, as clients that send a large limit and stop at EOS. Requests of
-priority p belong to tenant "p" (for the fair policy). When nothing is live the
+token is EOS, as clients that send a large limit and stop at EOS. A request
+belongs to its record's tenant (the `backlog` preset: 100 tenants with Zipf
+shares), else requests of priority p to tenant "p" (for the fair policy). When nothing is live the
 step counter jumps to the next arrival. The scheduler's clock reads STEP_S
 (20 ms) per step, or what `--step-s` says (repeatable: the matrix runs at each);
 the counters must not depend on it, since the core's policies count in steps
@@ -140,7 +141,8 @@ def replay(records: list[dict], engine: dict, policy: str = "fcfs", prefix_cachi
             while pending and pending[-1][0] <= step:
                 arrival, rid, prompt, rec = pending.pop()
                 request = Request(rid, prompt, limits_for(rec, engine, max_tokens),
-                                  priority=rec["priority"], tenant=str(rec["priority"]),
+                                  priority=rec["priority"],
+                                  tenant=rec.get("tenant", str(rec["priority"])),
                                   arrival_s=arrival * step_s)
                 made.append(request)
                 core.add_request(request)

@@ -175,6 +175,12 @@ class SchedulerConfig:
         memory bounds the batch. Used once `length_estimate_min_samples`
         requests have finished and some stopped early; traffic that runs to its
         declared limits is scheduled exactly as with the margins above.
+      thrash_window_steps: when a running request's growth preempts one while
+        predicted ends are in force, and another such preemption came at most
+        this many steps before, the predictions are running short (requests
+        outlive them, one preemption after another): admission keeps the
+        declared-limit margins until this many steps pass without another. A
+        lone preemption changes nothing. 0: always the predicted margins.
 
     Overlap
       async_scheduling: a running request whose sampled token is still in flight
@@ -226,6 +232,7 @@ class SchedulerConfig:
     length_estimate_quantile: float = attrs.field(default=0.2, validator=_share)
     predicted_watermark: float = attrs.field(default=0.0025, validator=_fraction)
     predicted_growth_share: float = attrs.field(default=0.8, validator=_share)
+    thrash_window_steps: int = attrs.field(default=64, validator=_at_least(0))
     async_scheduling: bool = False
     schedule_interval_us: int = attrs.field(default=0, validator=_at_least(0))
     debug_checks: bool = False
