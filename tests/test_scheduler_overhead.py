@@ -71,12 +71,7 @@ def test_generous_max_tokens_take_no_more_steps_than_the_vllm_model_on_prefix(pr
     the declared-limit margin it took 501 steps to the model's 498 caching off)."""
     from workloads import engine_config, generate
     trace, config = generate("prefix"), engine_config("prefix")
-    ours = scheduler_overhead.replay(trace, config, "fcfs", prefix_caching, "generous")
-    theirs = vllm_model.replay(trace, config, prefix_caching)
-    assert ours["finished_ok"]
-    assert ours["steps"] <= theirs["steps"]
-    assert ours["preemptions"] <= theirs["preemptions"]
-    assert ours["tokens_scheduled"] <= theirs["tokens_scheduled"]
+    at_most_the_vllm_model(trace, config, prefix_caching)
 
 
 @pytest.fixture(scope="module")
@@ -120,12 +115,19 @@ def test_generous_max_tokens_on_nano_preempt_no_more_than_the_vllm_model(prefix_
     without it (0) it preempted more than the model (181 caching off)."""
     from workloads import engine_config, generate
     trace, config = generate("nano"), engine_config("nano")
-    ours = scheduler_overhead.replay(trace, config, "fcfs", prefix_caching, "generous")
-    theirs = vllm_model.replay(trace, config, prefix_caching)
-    assert ours["finished_ok"]
-    assert ours["preemptions"] <= theirs["preemptions"]
-    assert ours["steps"] <= theirs["steps"]
-    assert ours["tokens_scheduled"] <= theirs["tokens_scheduled"]
+    theirs = at_most_the_vllm_model(trace, config, prefix_caching)
     without = scheduler_overhead.replay(trace, config, "fcfs", prefix_caching, "generous",
                                         thrash_window_steps=0)
     assert without["preemptions"] > theirs["preemptions"]
+
+
+def at_most_the_vllm_model(trace, config, prefix_caching: bool) -> dict:
+    """Replay `trace` under fcfs with generous max_tokens: every request finishes
+    in no more steps, preemptions or tokens than the vLLM model's (returned)."""
+    ours = scheduler_overhead.replay(trace, config, "fcfs", prefix_caching, "generous")
+    theirs = vllm_model.replay(trace, config, prefix_caching)
+    assert ours["finished_ok"]
+    assert ours["steps"] <= theirs["steps"]
+    assert ours["preemptions"] <= theirs["preemptions"]
+    assert ours["tokens_scheduled"] <= theirs["tokens_scheduled"]
+    return theirs

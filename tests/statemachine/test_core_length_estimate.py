@@ -79,19 +79,21 @@ def test_predictions_stay_between_progress_and_limit(quantile):
 def drive(s, arrivals: dict[int, list], eos_after: dict[str, int], steps: int) -> list[tuple]:
     """Run `steps` steps adding `arrivals[step]`; a request samples EOS once it
     has `eos_after[rid]` tokens (else a filler). Returns each plan's decisions."""
-    out = []
-    for t in range(steps):
-        for r in arrivals.get(t, []):
-            s.add_request(r)
-        plan = s.schedule(float(t))
-        sampled = {}
-        for rid in sampling_ids(s, plan):
-            r = s.requests[rid]
-            sampled[rid] = [EOS if len(r.output_token_ids) + 1 >= eos_after.get(rid, 10**9) else 100]
-        s.update(plan, StepResult(plan.step_id, sampled))
-        out.append((dict(plan.num_scheduled_tokens), [d.request_id for d in plan.new_requests],
-                    list(plan.preempted_ids)))
-    return out
+    return [drive_step(s, arrivals, eos_after, t) for t in range(steps)]
+
+
+def drive_step(s, arrivals: dict[int, list], eos_after: dict[str, int], t: int) -> tuple:
+    """One step of `drive` at time `t`: its plan's decisions."""
+    for r in arrivals.get(t, []):
+        s.add_request(r)
+    plan = s.schedule(float(t))
+    sampled = {}
+    for rid in sampling_ids(s, plan):
+        r = s.requests[rid]
+        sampled[rid] = [EOS if len(r.output_token_ids) + 1 >= eos_after.get(rid, 10**9) else 100]
+    s.update(plan, StepResult(plan.step_id, sampled))
+    return (dict(plan.num_scheduled_tokens), [d.request_id for d in plan.new_requests],
+            list(plan.preempted_ids))
 
 
 def workload(seed: int, n: int = 40, eos: bool = False):
@@ -211,23 +213,9 @@ def _drive_recording_hold(s, arrivals, eos_after, steps):
     """`drive`, also returning per step whether the declared margins were held."""
     plans, held = [], []
     for t in range(steps):
-        plans += drive_steps(s, arrivals, eos_after, t)
+        plans.append(drive_step(s, arrivals, eos_after, t))
         held.append(s._declared_margins_until > 0)
     return plans, held
-
-
-def drive_steps(s, arrivals, eos_after, t):
-    """One step of `drive` at time `t`."""
-    for r in arrivals.get(t, []):
-        s.add_request(r)
-    plan = s.schedule(float(t))
-    sampled = {}
-    for rid in sampling_ids(s, plan):
-        r = s.requests[rid]
-        sampled[rid] = [EOS if len(r.output_token_ids) + 1 >= eos_after.get(rid, 10**9) else 100]
-    s.update(plan, StepResult(plan.step_id, sampled))
-    return [(dict(plan.num_scheduled_tokens), [d.request_id for d in plan.new_requests],
-             list(plan.preempted_ids))]
 
 
 THRASH = dict(num_blocks=24, block_size=4, max_num_seqs=8, max_model_len=48,
