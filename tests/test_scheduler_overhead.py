@@ -131,3 +131,24 @@ def at_most_the_vllm_model(trace, config, prefix_caching: bool) -> dict:
     assert ours["preemptions"] <= theirs["preemptions"]
     assert ours["tokens_scheduled"] <= theirs["tokens_scheduled"]
     return theirs
+
+
+TIMINGS = ("sched_total_s", "add_s", "wall_s_whole_replay", "p50_us", "p99_us",
+           "us_per_req_step", "bins")
+
+
+@pytest.mark.parametrize("max_tokens", ["exact", "generous"])
+def test_policies_that_reduce_to_fcfs_report_its_counters_on_prefix(max_tokens):
+    """The prefix preset has one priority and one tenant and no deadlines: fair,
+    priority and deadline replay it with exactly fcfs's counters (steps, tokens,
+    preemptions, waits), prefix caching on."""
+    from workloads import engine_config, generate
+    trace, config = generate("prefix"), engine_config("prefix")
+    assert len({(r["priority"], r.get("tenant")) for r in trace}) == 1
+
+    def counters(policy):
+        row = scheduler_overhead.replay(trace, config, policy, True, max_tokens)
+        return {k: v for k, v in row.items() if k not in TIMINGS}
+    fcfs = counters("fcfs")
+    for policy in ("fair", "priority", "deadline"):
+        assert counters(policy) == fcfs, policy
