@@ -232,7 +232,7 @@ class SchedulerConfig:
     length_estimate_quantile: float = attrs.field(default=0.2, validator=_share)
     predicted_watermark: float = attrs.field(default=0.0025, validator=_fraction)
     predicted_growth_share: float = attrs.field(default=0.8, validator=_share)
-    thrash_window_steps: int = attrs.field(default=32, validator=_at_least(0))
+    thrash_window_steps: int = attrs.field(default=16, validator=_at_least(0))
     async_scheduling: bool = False
     schedule_interval_us: int = attrs.field(default=0, validator=_at_least(0))
     debug_checks: bool = False
