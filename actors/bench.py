@@ -4,7 +4,8 @@ report serving latencies.
 Workloads (cadence.actors.workloads): `nano-vllm`, the exact workload of
 nano-vllm's bench.py (256 requests, prompt and output lengths uniform in
 [100, 1024], 133,966 output tokens); the trace presets (`nano`, the same
-shape drawn by the trace generator, `poisson`, `prefix`, `overload`); or a
+shape drawn by the trace generator, `poisson`, `prefix`, `overload`, `backlog`,
+`starve`); or a
 JSON-lines trace in the presets' format. Every request
 asks for exactly its output length (EOS ignored). Arrivals follow
 `--request-rate` (Poisson, seeded) or all come at once.
@@ -454,7 +455,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     work = parser.add_argument_group("workload")
     work.add_argument("--workload", default=NANO_VLLM,
                       help="nano-vllm (the exact workload of nano-vllm's benchmark), nano, poisson, "
-                           "prefix, overload (trace presets), or a .jsonl trace "
+                           "prefix, overload, backlog, starve (trace presets), or a .jsonl trace "
                            "(default: %(default)s)")
     work.add_argument("--num-requests", type=int, default=None, help="use only the first N requests")
     work.add_argument("--request-rate", type=float, default=math.inf,

@@ -13,6 +13,7 @@ prompts and output lengths from U[12, 128], an eighth of the original bounds.
 Trace presets (`PRESETS`, `generate`, `load`): deterministic request traces,
 one request per line of a JSON-lines file:
     {"id", "arrival_step", "prompt_len", "output_len", "priority", "prefix_group", "prefix_len"}
+and, where a preset names them, "tenant" (otherwise a request's tenant is its priority).
 Token ids are not stored: they are a pure function of those fields, built on
 splitmix64 so any engine (in any language) rebuilds the same prompts:
 
@@ -37,7 +38,7 @@ import attrs
 from cadence.statemachine.errors import ConfigError
 
 __all__ = [
-    "Workload", "draw", "nano", "scaled", "PRESETS", "ENGINE_DEFAULTS", "generate", "load",
+    "Workload", "draw", "nano", "scaled", "PRESETS", "STARVATION_VICTIM", "STARVATION_STEP", "ENGINE_DEFAULTS", "generate", "load",
     "engine_config", "prompt_tokens", "output_token", "token_id", "splitmix64",
 ]
 
@@ -149,7 +150,20 @@ PRESETS = {
                    "a 512-token prefix + U[16,256] own tokens, output U[16,128]"),
     "overload": dict(seed=3, engine={"num_gpu_blocks": 1024}, doc="4000 requests at step 0, prompt "
                      "U[128,1024], output U[128,512], priority in {0,1,2}, 1024 KV blocks"),
+    "backlog": dict(seed=5, engine={"num_gpu_blocks": 1024}, doc="4000 requests at step 0 from 100 "
+                    "tenants with Zipf(1) shares (tenant k draws 1/k of the weight), prompt "
+                    "U[128,1024], output U[128,512], priority 0, 1024 KV blocks"),
+    "starve": dict(seed=4, engine={}, doc="one priority-2 request (id 0) at step 200 in a stream "
+                   "of 12000 priority-0 requests from step 0, Poisson(2.4) arrivals per step (about 1.25 times "
+                   "what the engine serves), prompt U[32,512], output U[16,256]"),
 }
+
+NUM_BACKLOG_TENANTS = 100
+"""Tenants of the `backlog` preset."""
+STARVATION_VICTIM = 0
+"""The id of the low-priority request of the `starve` preset."""
+STARVATION_STEP = 200
+"""Its arrival step: the stream has built a backlog by then."""
 
 
 def splitmix64(x: int) -> int:
@@ -224,6 +238,17 @@ def generate(preset: str, seed: int | None = None) -> list[dict]:
         for i in range(4000):
             p, o = rng.randint(128, 1024), rng.randint(128, 512)
             out.append(_record(i, 0, p, o, rng.randint(0, 2)))
+    elif preset == "backlog":
+        weights = [1 / k for k in range(1, NUM_BACKLOG_TENANTS + 1)]
+        tenants = rng.choices(range(NUM_BACKLOG_TENANTS), weights, k=4000)
+        for i, tenant in enumerate(tenants):
+            p, o = rng.randint(128, 1024), rng.randint(128, 512)
+            out.append({**_record(i, 0, p, o), "tenant": f"t{tenant}"})
+    elif preset == "starve":
+        out.append(_record(STARVATION_VICTIM, STARVATION_STEP, rng.randint(32, 512),
+                           rng.randint(16, 256), 2))
+        for i, step in enumerate(_arrival_steps(rng, 12000, 2.4), start=1):
+            out.append(_record(i, step, rng.randint(32, 512), rng.randint(16, 256), 0))
     out.sort(key=lambda r: (r["arrival_step"], r["id"]))
     return out
 

@@ -5,13 +5,16 @@ one token for every scheduled request whose known tokens are all computed after
 the step, `update()`. A request finishes after exactly `output_len` tokens:
 with `--max-tokens exact` its max_tokens is output_len (EOS ignored); with
 `--max-tokens generous` its max_tokens is max_model_len - prompt and its last
-token is EOS, as clients that send a large limit and stop at EOS. Requests of
-priority p belong to tenant "p" (for the fair policy). When nothing is live the
+token is EOS, as clients that send a large limit and stop at EOS. A request
+belongs to its record's tenant (the `backlog` preset: 100 tenants with Zipf
+shares), else requests of priority p to tenant "p" (for the fair policy). When nothing is live the
 step counter jumps to the next arrival. The scheduler's clock reads STEP_S
 (20 ms) per step, or what `--step-s` says (repeatable: the matrix runs at each);
 the counters must not depend on it, since the core's policies count in steps
 and tokens, not seconds. Only `schedule()` + `update()` are timed, in CPU time
-of the driving thread. Waits are steps from arrival to first admission.
+of the driving thread. Waits are steps from arrival to first admission; the
+longest wait of the lowest priority is the `starve` preset's victim's, which the
+default `priority` serves within 1,000 steps at any clock (the aging bound).
 
 Prints one JSON line per run. Usage:
     python benchmarks/scheduler_overhead.py                    # every preset, fcfs, exact, caching on
@@ -138,7 +141,8 @@ def replay(records: list[dict], engine: dict, policy: str = "fcfs", prefix_cachi
             while pending and pending[-1][0] <= step:
                 arrival, rid, prompt, rec = pending.pop()
                 request = Request(rid, prompt, limits_for(rec, engine, max_tokens),
-                                  priority=rec["priority"], tenant=str(rec["priority"]),
+                                  priority=rec["priority"],
+                                  tenant=rec.get("tenant", str(rec["priority"])),
                                   arrival_s=arrival * step_s)
                 made.append(request)
                 core.add_request(request)
@@ -242,14 +246,15 @@ def waiting_scaling(num_waiting: int, policy: str = "priority", num_tenants: int
 
 
 TABLE_FIELDS = ("steps", "tokens_scheduled", "preemptions", "median_wait", "p99_wait",
-                "median_wait_priority0", "us_per_req_step")
+                "median_wait_priority0", "max_wait_lowest_priority", "us_per_req_step")
 
 
 def table(rows: list[dict]) -> str:
     """A markdown table of matrix rows, the vLLM model's figures beside each."""
     head = ("| preset | policy | max_tokens | caching | s/step | steps | tokens | preempt | wait p50 | "
-            "wait p99 | prio-0 wait p50 | µs/req-step | vLLM steps | vLLM tokens | vLLM preempt "
-            "| vLLM wait p50 | vLLM p99 | vLLM prio-0 p50 |")
+            "wait p99 | prio-0 wait p50 | lowest-prio wait max | µs/req-step | vLLM steps | "
+            "vLLM tokens | vLLM preempt | vLLM wait p50 | vLLM p99 | vLLM prio-0 p50 | "
+            "vLLM lowest-prio max |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         if r["bench"] != "scheduler_overhead":
@@ -260,7 +265,8 @@ def table(rows: list[dict]) -> str:
             r["policy"], r["max_tokens"], "on" if r["prefix_caching"] else "off",
             r["step_s"], *(r[f] for f in TABLE_FIELDS),
             *(v.get(f, "") for f in ("steps", "tokens_scheduled", "preemptions", "median_wait",
-                                     "p99_wait", "median_wait_priority0")))) + " |")
+                                     "p99_wait", "median_wait_priority0",
+                                     "max_wait_lowest_priority")))) + " |")
     return "\n".join(lines)
 
 

@@ -82,13 +82,18 @@ def _order(req: "Req") -> tuple:
 
 
 def wait_figures(waits: list[tuple[int, int]]) -> dict:
-    """Median and p99 wait (steps from arrival to first admission), and the median
-    wait of priority-0 requests, from (priority, wait) pairs."""
+    """Median, p99 and longest wait (steps from arrival to first admission), the
+    median wait of priority-0 requests, and the longest wait of the lowest
+    priority (the largest value: on the `starve` preset, its victim's wait), from
+    (priority, wait) pairs."""
     all_waits = sorted(w for _, w in waits)
     high = [w for p, w in waits if p == 0]
+    lowest = max(p for p, _ in waits)
     return {"median_wait": statistics.median(all_waits),
             "p99_wait": all_waits[int(0.99 * (len(all_waits) - 1))],
-            "median_wait_priority0": statistics.median(high) if high else None}
+            "max_wait": all_waits[-1],
+            "median_wait_priority0": statistics.median(high) if high else None,
+            "max_wait_lowest_priority": max(w for p, w in waits if p == lowest)}
 
 
 class Req:

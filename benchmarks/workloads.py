@@ -14,7 +14,8 @@ import json
 import sys
 
 from cadence.actors.workloads import (  # noqa: F401  (the benchmarks import them from here)
-    ENGINE_DEFAULTS, PRESETS, engine_config, generate, load, output_token, prompt_tokens,
+    ENGINE_DEFAULTS, PRESETS, STARVATION_STEP, STARVATION_VICTIM, engine_config, generate, load,
+    output_token, prompt_tokens,
     splitmix64, token_id,
 )
 

@@ -65,8 +65,10 @@ def _scope(attr: str, default=None):
 def _preempting(config: SchedulerConfig, scope) -> bool:
     """Whether the policy may displace a running request for a waiting one."""
     from cadence.statemachine.policy import make_policy
+    # The class's attribute: a policy may say it preempts only once its queue
+    # has seen priorities far enough apart (a property, truthy on the class).
     policy = make_policy(config)
-    return bool(getattr(policy, "preempts_running", True)) and config.preempt_for_priority \
+    return bool(getattr(type(policy), "preempts_running", True)) and config.preempt_for_priority \
         and config.enable_priority_scheduling and _spread(scope, "priority")
 
 

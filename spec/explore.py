@@ -31,7 +31,7 @@ import attrs
 
 from cadence.statemachine.config import CacheConfig, SchedulerConfig
 from cadence.statemachine.fsm import RequestEventKind, RequestState
-from cadence.statemachine.policy import FairPolicy, KeyedPolicy
+from cadence.statemachine.policy import FairPolicy, KeyedPolicy, PriorityPolicy
 
 from . import coverage as cov
 from .harness import Harness
@@ -321,7 +321,8 @@ def _scheduler_extra(s, pos: dict[str, int] | None = None) -> tuple:
 
 def _policy_key(policy, pos, cap, tenants) -> tuple:
     if isinstance(policy, KeyedPolicy) and type(policy).__init__ is KeyedPolicy.__init__:
-        return ()
+        # The priorities queued so far decide whether `priority` may preempt.
+        return (policy._priority_span,) if isinstance(policy, PriorityPolicy) else ()
     if isinstance(policy, FairPolicy):
         counters = policy.counters
         base = min(counters.values()) if counters and tenants <= set(counters) else 0.0
@@ -721,3 +722,108 @@ def counterexample_test(exploration: Exploration, moves: list[Move], problems: l
         f"    h = CheckedHarness({exploration.config!r}, {exploration.cache_config!r})",
     ]
     return "\n".join(head + [f"    {line}" for line in lines] + [""])
+
+
+# ---- identities -------------------------------------------------------------------------
+@attrs.define
+class IdentityResult:
+    """A lockstep exploration of two policies: states and transitions visited,
+    and the first move after which their decisions differed (with the path to it)."""
+
+    policy: str
+    reference: str
+    scope: Scope
+    num_states: int = 0
+    num_transitions: int = 0
+    difference: str | None = None
+    moves: list[Move] = attrs.Factory(list)
+    complete: bool = True
+
+    def summary(self) -> str:
+        """One line: the pair, scope, states, transitions and the verdict."""
+        verdict = "identical" if self.difference is None else "DIFFER"
+        return (f"{self.policy} = {self.reference} @ {self.scope.name}: {self.num_states} states, "
+                f"{self.num_transitions} transitions, {verdict}")
+
+
+def uniform_scope(scope: Scope) -> Scope:
+    """`scope` with every shape made one tenant and one priority, without deadlines:
+    the traces on which `fair`, `priority` and `deadline` must decide as `fcfs`."""
+    first = scope.shapes[0]
+    shapes = tuple(attrs.evolve(s, priority=first.priority, tenant=first.tenant,
+                                deadline_after_s=None) for s in scope.shapes)
+    return attrs.evolve(scope, name=f"{scope.name}-uniform", shapes=shapes)
+
+
+def decisions(h: Harness) -> tuple:
+    """What a move made the core decide: its events, the plans in flight and the
+    last plan answered, with each plan's entries in order."""
+    def plan_of(plan):
+        return (plan, tuple(plan.num_scheduled_tokens))
+    answered = None if h.last_answered is None else (plan_of(h.last_answered[0]),
+                                                     h.last_answered[1])
+    return (tuple(h.last_events), tuple(plan_of(f.plan) for f in h.inflight), answered)
+
+
+def explore_identity(policy: str, scope: Scope | None = None,
+                     reference: str = "fcfs") -> IdentityResult:
+    """Explore `reference` on `uniform_scope(scope)` with `policy` shadowing every
+    move of the environment: after each, both cores must have decided the same
+    (`decisions`). Every state pair reachable within the scope is visited."""
+    scope = uniform_scope(scope or SCOPES["small"])
+    result = IdentityResult(policy, reference, scope)
+    config, cache = scope.configs(reference)
+    other = attrs.evolve(config, policy=policy)
+    horizon = scope.horizon(config)
+    tenants = frozenset(s.tenant for s in scope.shapes)
+    checker = StepChecker(config, cache)
+
+    def key_of(h, g):
+        a, names = canonical_key(h, horizon, scope.counter_cap, tenants)
+        return (a, canonical_key(g, horizon, scope.counter_cap, tenants)[0]), names
+
+    with scope_patches(scope):
+        start = (Harness(config, cache), Harness(other, cache))
+        key0, _ = key_of(*start)
+        parent: dict[tuple, tuple | None] = {key0: None}
+        frontier = deque([(key0, start)])
+        while frontier:
+            key, (h, g) = frontier.popleft()
+            _, names = key_of(h, g)
+            # The moves the environment has here; each is made afresh on both cores.
+            moves = [m[0] for m in _successors(h, names, scope, checker, None)]
+            for move in moves:
+                result.num_transitions += 1
+                h2, g2 = h.clone(stats=False), g.clone(stats=False)
+                made = apply_move(h2, move, names, scope)
+                if made != apply_move(g2, move, names, scope) or decisions(h2) != decisions(g2):
+                    path = [move]
+                    back = key
+                    while parent[back] is not None:
+                        back, step = parent[back]
+                        path.append(step)
+                    result.moves = path[::-1]
+                    result.difference = (f"after {result.moves}: {reference} decided "
+                                         f"{decisions(h2)}, {policy} decided {decisions(g2)}")
+                    result.num_states = len(parent)
+                    return result
+                try:
+                    key2, _ = key_of(h2, g2)
+                except Cut:
+                    continue
+                if key2 not in parent:
+                    parent[key2] = (key, move)
+                    if len(parent) >= scope.max_states:
+                        result.complete = False
+                    elif scope.max_depth is None or _depth(parent, key2) < scope.max_depth:
+                        frontier.append((key2, (h2, g2)))
+    result.num_states = len(parent)
+    return result
+
+
+def _depth(parent: dict, key) -> int:
+    n = 0
+    while parent[key] is not None:
+        key = parent[key][0]
+        n += 1
+    return n

@@ -427,7 +427,7 @@ def _clone_policy(policy, rmap: dict, config) -> SchedulingPolicy:
     return copy.deepcopy(policy, memo)
 
 
-_KEYED_FIELDS = frozenset({"config", "use_priority", "_heap", "_count", "_seq"})
+_KEYED_FIELDS = frozenset({"config", "use_priority", "_heap", "_count", "_seq", "_priority_span"})
 _FAIR_FIELDS = frozenset({"config", "counters", "queues", "num_active", "_count", "_seq",
                           "_examined", "_tenants", "_in_heap", "_rank"})
 

@@ -9,6 +9,12 @@ ones that need a plan, a transition or a whole event sequence:
   shared prompt blocks are computed by one member while the others wait;
 - `plan_gives_every_request_a_token`: a request in a plan is scheduled for at
   least one token (a plan made at zero budget must leave it out);
+- `overtaken_only_when_skipped` (per plan; with item 11, the aging bound): a
+  request admitted ahead of one the policy ranks before it passed it over for
+  not fitting, which counts a skip, and nobody is passed over more than
+  `starvation_skip_limit` times; so under `priority` a request waits behind
+  later arrivals for at most (its priority - theirs) * aging_steps steps plus
+  that many passes;
 - `inflight_within_budget` (item 7 with several plans in flight): every plan
   in flight is within the budget and no request has more tokens scheduled
   across them than it has computed;
@@ -44,7 +50,7 @@ __all__ = [
     "blocks_partition", "refcounts_match_tables", "cached_hashes_consistent",
     "completed_hold_nothing_running_hold_enough", "queues_partition", "limits_respected",
     "groups_share_prompt_blocks", "group_prompt_computed_once",
-    "plan_within_budget", "violations", "check_scheduler", "transition_events",
+    "plan_within_budget", "overtaken_only_when_skipped", "violations", "check_scheduler", "transition_events",
     "fcfs_within_class", "table_edges_only", "completed_exactly_once",
     "core_table_matches_design", "trace_violations", "plan_gives_every_request_a_token",
     "inflight_within_budget", "INFLIGHT_INVARIANTS", "OVERLAP_INVARIANTS",
@@ -91,8 +97,38 @@ def inflight_within_budget(s, plans) -> list[str]:
     return out
 
 
+def overtaken_only_when_skipped(s, plan) -> list[str]:
+    """A request this plan admits goes ahead of a waiting request the policy
+    ranks before it (`sorts_after`, ties apart) only by passing it over for not
+    fitting, which counted a skip; and no waiting request has been passed over
+    more than `starvation_skip_limit` times (it then holds capacity: nothing
+    ranked after it is admitted). Requests preempted by this plan and group
+    members (which wait for a sibling's prompt) are not passed over."""
+    policy = s.policy
+    sorts_after = getattr(policy, "sorts_after", None)
+    limit = s.config.starvation_skip_limit
+    waiting = [r for r in s.requests.values() if r.state is fsm.RequestState.PENDING]
+    out = [f"{r.request_id!r} has been passed over {r.num_skips} times; "
+           f"starvation_skip_limit is {limit}" for r in waiting if r.num_skips > limit]
+    if sorts_after is None:
+        return out
+    ties = getattr(policy, "ties", None)
+    preempted = set(plan.preempted_ids)
+    admitted = [s.requests[d.request_id] for d in plan.new_requests if d.request_id in s.requests]
+    for w in waiting:
+        if w.num_skips or w.group is not None or w.request_id in preempted:
+            continue
+        for r in admitted:
+            if sorts_after(r, w) and not (ties is not None and ties(r, w)):
+                out.append(f"plan {plan.step_id} admits {r.request_id!r} ahead of "
+                           f"{w.request_id!r}, which the policy ranks first, without "
+                           f"counting a skip")
+    return out
+
+
 PLAN_INVARIANTS = {"plan_within_budget": plan_within_budget,
                    "plan_gives_every_request_a_token": plan_gives_every_request_a_token,
+                   "overtaken_only_when_skipped": overtaken_only_when_skipped,
                    "group_prompt_computed_once": group_prompt_computed_once}
 """Predicates over one plan as made: (scheduler, plan) -> messages."""
 

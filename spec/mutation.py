@@ -63,15 +63,21 @@ FAST_SUITES = (
     "tests/spec/test_trace.py",
     "tests/spec/test_coverage.py",
     "tests/spec/test_overlap.py",
+    "tests/spec/test_check_cli.py",
 )
 """The CI profile's fast tests: the core's unit and stateful tests and the spec
-tests that do not explore a whole scope (the reach scopes' tests do, quickly)."""
+tests that do not explore a whole scope (the reach scopes' tests do, quickly),
+and the check command's tests (the only ones that kill a plan scheduling a
+request for zero tokens)."""
 
-FILES = ("scheduler.py", "blocks.py", "policy.py", "fsm.py", "request.py", "plan.py", "isolation.py")
-"""Files of `statemachine/` mutated by default: the ones that decide. Left out: stats,
-sampling and errors (no decisions), config (validation whose messages the tests
-pin), invariants (the checker itself: a weakened predicate is a passing check;
-`--file invariants.py` measures the tests of the tests)."""
+FILES = ("scheduler.py", "blocks.py", "policy.py", "fsm.py", "request.py", "plan.py",
+         "estimate.py", "config.py", "isolation.py")
+"""Files of `statemachine/` mutated by default: the ones that decide, the output-length
+estimator admission reads, the configuration (its validators and derived limits;
+class-level defaults are configuration and are not mutated) and the poison-isolation
+machine. Left out: stats, sampling and errors (no decisions), invariants (the checker
+itself: a weakened predicate is a passing check; `--file invariants.py` measures the
+tests of the tests)."""
 
 SKIP_FUNCTIONS = {
     # Counters for reports; no decision reads them.

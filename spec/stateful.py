@@ -40,12 +40,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from cadence.statemachine.config import CacheConfig, SchedulerConfig
 from cadence.statemachine.fsm import RequestState
-from cadence.statemachine.plan import StepResult
+from cadence.statemachine.plan import StepPlan, StepResult
 from cadence.statemachine.policy import SchedulingPolicy
 
 from . import coverage as cov
 from .invariants import fcfs_within_class
-from .harness import VictimPreference
+from .harness import Harness, VictimPreference
 from .refinement import CheckedHarness, _diff
 from .trace import validate_trace
 
@@ -266,6 +266,102 @@ class SchedulerStateMachine(RuleBasedStateMachine):
             chunked_prefill=c.enable_chunked_prefill,
             class_of=_trace_class(c.policy))
         assert not found, found
+
+
+class MirroredHarness(CheckedHarness):
+    """A `CheckedHarness` whose every move is made on shadow harnesses too, one
+    per policy in `shadows`, each asserted to decide exactly as this one: the
+    same plans (entries in the same order), events and refusals. The identities
+    `fair` with one tenant, `priority` with one priority and `deadline` with no
+    deadlines against `fcfs` are checked this way."""
+
+    def __init__(self, config, cache_config, shadows: tuple[str, ...], **kw) -> None:
+        super().__init__(config, cache_config, **kw)
+        self.shadows = {name: Harness(attrs.evolve(config, policy=name), cache_config)
+                        for name in shadows}
+
+    def _mirror(self, move: str, mine, *args, **kw):
+        for name, shadow in self.shadows.items():
+            theirs = getattr(shadow, move)(*args, **kw)
+            same = _same_decision(mine, theirs) and shadow.last_events == self.last_events
+            assert same, (f"{move}{args}: {name} decided {theirs!r} with events "
+                          f"{shadow.last_events}; {self.scheduler.config.policy} decided "
+                          f"{mine!r} with events {self.last_events}")
+        return mine
+
+    def add(self, request_id=None, prompt=(1, 2, 3), max_tokens=2, **kw) -> bool:
+        rid = self.fresh_id() if request_id is None else request_id
+        return self._mirror("add", super().add(rid, prompt, max_tokens, **kw), rid, prompt,
+                            max_tokens, **kw)
+
+    def add_group(self, prompt=(1, 2, 3), n=2, max_tokens=2, **kw) -> bool:
+        return self._mirror("add_group", super().add_group(prompt, n, max_tokens, **kw),
+                            prompt, n, max_tokens, **kw)
+
+    def abort(self, request_id: str) -> None:
+        return self._mirror("abort", super().abort(request_id), request_id)
+
+    def fail(self, request_id: str) -> None:
+        return self._mirror("fail", super().fail(request_id), request_id)
+
+    def executor_lost(self) -> None:
+        return self._mirror("executor_lost", super().executor_lost())
+
+    def schedule(self):
+        return self._mirror("schedule", super().schedule())
+
+    def complete(self, eos=(), index: int = 0) -> list:
+        eos = list(eos)
+        return self._mirror("complete", super().complete(eos, index), eos, index)
+
+    def redeliver(self) -> list:
+        return self._mirror("redeliver", super().redeliver())
+
+
+def _same_decision(mine, theirs) -> bool:
+    """Equal results of a move; plans also with their entries in the same order."""
+    if isinstance(mine, StepPlan):
+        return mine == theirs and list(mine.num_scheduled_tokens) == list(theirs.num_scheduled_tokens)
+    return mine == theirs
+
+
+class _Victims:
+    """`VictimPreference` on several harnesses at once (the main one and its shadows)."""
+
+    def __init__(self, harnesses) -> None:
+        self._all = [VictimPreference(h.scheduler.policy) for h in harnesses]
+
+    @property
+    def request_id(self):
+        return self._all[0].request_id
+
+    @request_id.setter
+    def request_id(self, value) -> None:
+        for v in self._all:
+            v.request_id = value
+
+
+class PolicyIdentityMachine(SchedulerStateMachine):
+    """`fcfs` driven as `SchedulerStateMachine` drives it, with one tenant, one
+    priority and no deadlines, while `fair`, `priority` and `deadline` shadow
+    every move: each must make exactly fcfs's decisions (`MirroredHarness`)."""
+
+    config = attrs.evolve(SMALL_CONFIG, policy="fcfs")
+    priorities = (1,)
+    tenants = ("a",)
+    shadow_policies: tuple[str, ...] = ("fair", "priority", "deadline")
+
+    def _build(self) -> None:
+        self.h = MirroredHarness(self.config, self.cache_config, self.shadow_policies, record=True)
+        self.victim = _Victims([self.h, *self.h.shadows.values()])
+
+    @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(2, 9), min_size=1, max_size=5),
+          max_tokens=st.integers(1, 4), min_tokens=st.integers(0, 1), ignore_eos=st.booleans())
+    def add(self, prefix, tail, max_tokens, min_tokens, ignore_eos):
+        """A client submits a request without a deadline."""
+        self.h.add(None, prefix + tuple(tail), max_tokens, priority=self.priorities[0],
+                   tenant=self.tenants[0], min_tokens=min(min_tokens, max_tokens),
+                   ignore_eos=ignore_eos)
 
 
 def _trace_class(policy: str):

@@ -98,10 +98,15 @@ class SchedulerConfig:
       enable_priority_scheduling: when off, request priorities are ignored by every
         policy and never cause preemption.
       aging_steps: under `priority`, a waiting request gains one priority level per
-        `aging_steps` scheduler steps waited, so low priorities cannot starve.
-        Counted in steps rather than seconds, so the balance between priority and
-        age, and with it which requests may displace which, is the same on a fast
-        engine and a slow one (800 steps: 16 s at 20 ms per step).
+        `aging_steps` scheduler steps waited. The aging bound: a request of
+        priority p ranks ahead of every request of priority q that arrives
+        (p - q) * aging_steps steps or more after it, so after that long no later
+        arrival is admitted before it (beyond `starvation_skip_limit` passes for
+        one that does not fit) and none may displace it. Counted in steps rather
+        than seconds, so the bound is the same on a fast engine and a slow one
+        (250 steps: 5 s at 20 ms per step; the `starve` benchmark trace's
+        priority-2 request waits 685 steps behind a stream of priority 0 that
+        overloads the engine by a quarter, 2,136 at 800).
       default_deadline_s: under `deadline`, the deadline of a request without one is
         its arrival plus this.
       reject_late: under `deadline`, a waiting request whose deadline has passed
@@ -170,6 +175,12 @@ class SchedulerConfig:
         memory bounds the batch. Used once `length_estimate_min_samples`
         requests have finished and some stopped early; traffic that runs to its
         declared limits is scheduled exactly as with the margins above.
+      thrash_window_steps: when a running request's growth preempts one while
+        predicted ends are in force, and another such preemption came at most
+        this many steps before, the predictions are running short (requests
+        outlive them, one preemption after another): admission keeps the
+        declared-limit margins until this many steps pass without another. A
+        lone preemption changes nothing. 0: always the predicted margins.
 
     Overlap
       async_scheduling: a running request whose sampled token is still in flight
@@ -195,7 +206,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = attrs.field(default="fcfs", validator=_policy_name)
     enable_priority_scheduling: bool = True
-    aging_steps: int = attrs.field(default=800, validator=_at_least(0))
+    aging_steps: int = attrs.field(default=250, validator=_at_least(0))
     default_deadline_s: float = attrs.field(default=60.0, validator=_at_least(0.0))
     reject_late: bool = False
     fair_input_weight: float = attrs.field(default=1.0, validator=_at_least(0.0))
@@ -221,6 +232,7 @@ class SchedulerConfig:
     length_estimate_quantile: float = attrs.field(default=0.2, validator=_share)
     predicted_watermark: float = attrs.field(default=0.0025, validator=_fraction)
     predicted_growth_share: float = attrs.field(default=0.8, validator=_share)
+    thrash_window_steps: int = attrs.field(default=16, validator=_at_least(0))
     async_scheduling: bool = False
     schedule_interval_us: int = attrs.field(default=0, validator=_at_least(0))
     debug_checks: bool = False

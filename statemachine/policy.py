@@ -64,11 +64,18 @@ class KeyedPolicy:
         self._heap: list[tuple] = []
         self._count = 0
         self._seq = itertools.count(1)
+        # The lowest and highest priority value queued so far (None before any).
+        self._priority_span: tuple[int, int] | None = None
 
     def key(self, request: Request) -> tuple:
         raise NotImplementedError
 
     def push(self, request: Request) -> None:
+        span, p = self._priority_span, request.priority
+        if span is None:
+            self._priority_span = (p, p)
+        elif not span[0] <= p <= span[1]:
+            self._priority_span = (min(span[0], p), max(span[1], p))
         seq = next(self._seq)
         request.queue_seq = seq
         heapq.heappush(self._heap, (self.key(request), request.arrival_seq, seq, request))
@@ -146,19 +153,37 @@ class FcfsPolicy(KeyedPolicy):
 class PriorityPolicy(KeyedPolicy):
     """Lower priority value first, aged: a request gains one level per
     `aging_steps` scheduler steps waited, so its key priority * aging_steps +
-    arrival_step is static and no request waits forever behind later arrivals.
+    arrival_step is static. The promise this makes (the aging bound): a request
+    of priority p ranks ahead of every request of priority q that arrives
+    (p - q) * aging_steps steps or more after it, so once it has waited that
+    long no later arrival goes before it, and none may displace it.
     Nothing here reads a clock: the order, and so which request may displace
     which, is the same whatever a step lasts. A waiting request may preempt a
     running one of strictly lower priority that it is also ahead of in the aged
-    order."""
+    order. With every priority equal it decides exactly as `fcfs`."""
 
     name = "priority"
-    preempts_running = True
+
+    @property
+    def preempts_running(self) -> bool:
+        """Whether two priorities queued so far are `preempt_min_priority_gap`
+        apart: before that no request can displace another, and admission
+        takes the path that `fcfs` takes."""
+        span = self._priority_span
+        config = self.config
+        return (span is not None and self.use_priority and config.preempt_for_priority
+                and span[1] - span[0] >= config.preempt_min_priority_gap)
 
     def key(self, request: Request) -> tuple:
         if not self.use_priority:
             return (request.arrival_s,)
-        return (request.priority * self.config.aging_steps + request.arrival_step,)
+        return (request.priority * self.config.aging_steps + request.arrival_step,
+                request.arrival_s)
+
+    def ties(self, a: Request, b: Request) -> bool:
+        """Whether `a` and `b` rank equally: one priority, one arrival time."""
+        return a.priority == b.priority and a.arrival_s == b.arrival_s if self.use_priority \
+            else a.arrival_s == b.arrival_s
 
     def may_preempt(self, waiting: Request, running: Request) -> bool:
         """Higher priority by at least `preempt_min_priority_gap`, and ahead in the
@@ -206,7 +231,11 @@ class DeadlinePolicy(KeyedPolicy):
         return request.arrival_s + self.config.default_deadline_s
 
     def victim(self, running: Sequence[Request]) -> Request:
-        return max(running, key=lambda r: (self.deadline_of(r), -r.num_computed_tokens))
+        """A request without a deadline first (it was promised nothing), least
+        work lost as under `fcfs`; else the latest deadline."""
+        return max(running, key=lambda r: (
+            (1, 0.0, -r.num_computed_tokens, r.arrival_s) if r.deadline_s is None
+            else (0, r.deadline_s, -r.num_computed_tokens, r.arrival_s)))
 
 
 class WeightedPolicy(KeyedPolicy):
@@ -308,6 +337,11 @@ class FairPolicy:
         """Whether `a` and `b` rank equally: one tenant, one arrival time."""
         return a.tenant == b.tenant and a.arrival_s == b.arrival_s
 
+    def sorts_after(self, a: Request, b: Request) -> bool:
+        """Whether `a` is sure to wait behind `b`: the same tenant and a later
+        arrival (across tenants the order moves with the counters)."""
+        return a.tenant == b.tenant and (a.arrival_s, a.arrival_seq) > (b.arrival_s, b.arrival_seq)
+
     def _next_queue(self) -> list[tuple] | None:
         """The queue of the tenant to serve next, its head live; None if none waits."""
         tenants, counters, num_active = self._tenants, self.counters, self.num_active
@@ -346,7 +380,10 @@ class FairPolicy:
                                           r.arrival_s, r.arrival_seq))
 
     def victim(self, running: Sequence[Request]) -> Request:
-        return max(running, key=lambda r: (self.counters.get(r.tenant, 0.0), -r.num_computed_tokens))
+        """The most served tenant's request that has the least computed work
+        (the latest arrival among equals, as under `fcfs`)."""
+        return max(running, key=lambda r: (self.counters.get(r.tenant, 0.0),
+                                           -r.num_computed_tokens, r.arrival_s))
 
     def may_preempt(self, waiting: Request, running: Request) -> bool:
         return False

@@ -71,9 +71,85 @@ def test_generous_max_tokens_take_no_more_steps_than_the_vllm_model_on_prefix(pr
     the declared-limit margin it took 501 steps to the model's 498 caching off)."""
     from workloads import engine_config, generate
     trace, config = generate("prefix"), engine_config("prefix")
+    at_most_the_vllm_model(trace, config, prefix_caching)
+
+
+@pytest.fixture(scope="module")
+def starve():
+    from workloads import engine_config, generate
+    return generate("starve"), engine_config("starve")
+
+
+@pytest.mark.parametrize("step_s", [1.0, 0.025])
+def test_the_starvation_victim_is_served_within_1000_steps_at_any_clock(starve, step_s):
+    """The `starve` preset: a priority-2 request in a stream of priority 0 that
+    overloads the engine. Under the default `priority` it waits at most 1,000
+    steps whatever a step lasts (the aging bound: after 2 * aging_steps no later
+    arrival ranks ahead of it); the vLLM model's priority policy, which does not
+    age, serves it only once the stream has drained."""
+    from workloads import STARVATION_STEP, STARVATION_VICTIM
+    trace, config = starve
+    victim = next(r for r in trace if r["id"] == STARVATION_VICTIM)
+    assert victim["arrival_step"] == STARVATION_STEP and victim["priority"] == 2
+    assert all(r["priority"] == 0 for r in trace if r is not victim)
+    ours = scheduler_overhead.replay(trace, config, "priority", True, "exact", step_s)
+    assert ours["finished_ok"]
+    assert ours["max_wait_lowest_priority"] <= 1000
+    # The bound, not luck: the victim waits longer than its aging window.
+    assert ours["max_wait_lowest_priority"] > 2 * scheduler_overhead.SchedulerConfig().aging_steps
+
+
+def test_without_aging_the_starvation_victim_waits_for_the_whole_stream(starve):
+    """The trace has teeth: vLLM's priority order serves the victim last."""
+    trace, config = starve
+    theirs = vllm_model.replay(trace, config, True, policy="priority")
+    assert theirs["max_wait_lowest_priority"] > 5 * 1000
+    assert theirs["max_wait_lowest_priority"] == theirs["max_wait"]
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_generous_max_tokens_on_nano_preempt_no_more_than_the_vllm_model(prefix_caching):
+    """The trace the thrash window is for: nano with max_tokens = max_model_len -
+    prompt outlives its predicted ends one request after another. With the window
+    it preempts fewer times than the vLLM model (90 / 92 to 131 caching off /
+    on), in fewer steps and tokens; without it (0) it preempted more than the
+    model (181 / 176)."""
+    from workloads import engine_config, generate
+    trace, config = generate("nano"), engine_config("nano")
+    theirs = at_most_the_vllm_model(trace, config, prefix_caching)
+    without = scheduler_overhead.replay(trace, config, "fcfs", prefix_caching, "generous",
+                                        thrash_window_steps=0)
+    assert without["preemptions"] > theirs["preemptions"]
+
+
+def at_most_the_vllm_model(trace, config, prefix_caching: bool) -> dict:
+    """Replay `trace` under fcfs with generous max_tokens: every request finishes
+    in no more steps, preemptions or tokens than the vLLM model's (returned)."""
     ours = scheduler_overhead.replay(trace, config, "fcfs", prefix_caching, "generous")
     theirs = vllm_model.replay(trace, config, prefix_caching)
     assert ours["finished_ok"]
     assert ours["steps"] <= theirs["steps"]
     assert ours["preemptions"] <= theirs["preemptions"]
     assert ours["tokens_scheduled"] <= theirs["tokens_scheduled"]
+    return theirs
+
+
+TIMINGS = ("sched_total_s", "add_s", "wall_s_whole_replay", "p50_us", "p99_us",
+           "us_per_req_step", "bins")
+
+
+@pytest.mark.parametrize("max_tokens", ["exact", "generous"])
+def test_policies_that_reduce_to_fcfs_report_its_counters_on_prefix(max_tokens):
+    """The prefix preset has one priority and one tenant and no deadlines: fair,
+    priority and deadline replay it with exactly fcfs's counters (steps, tokens,
+    preemptions, waits), prefix caching on."""
+    from workloads import engine_config, generate
+    trace, config = generate("prefix"), engine_config("prefix")
+    assert len({(r["priority"], r.get("tenant")) for r in trace}) == 1
+
+    def counters(policy):
+        row = scheduler_overhead.replay(trace, config, policy, True, max_tokens)
+        return {k: v for k, v in row.items() if k not in TIMINGS}
+    fcfs = counters("fcfs")
+    for policy in ("fair", "priority", "deadline"):
+        assert counters(policy) == fcfs, policy

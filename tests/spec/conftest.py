@@ -22,6 +22,25 @@ if os.environ.get("CADENCE_EXPLORE") == "1":
 _EXPLORED: dict = {}
 
 
+@pytest.fixture
+def patch_core(monkeypatch):
+    """`patch_core(name, old, new)`: replace `Scheduler.<name>` for the test by its
+    own source with `old` replaced by `new` (a deliberate bug for a checker to
+    find); fails if `old` is not there."""
+    import inspect
+    import textwrap
+
+    from cadence.statemachine import scheduler as core
+
+    def patch(name: str, old: str, new: str) -> None:
+        source = textwrap.dedent(inspect.getsource(getattr(core.Scheduler, name)))
+        assert old in source, f"{old!r} is no longer in Scheduler.{name}; update this test"
+        namespace = dict(vars(core))
+        exec(compile(source.replace(old, new), core.__file__, "exec"), namespace)
+        monkeypatch.setattr(core.Scheduler, name, namespace[name])
+    return patch
+
+
 @pytest.fixture(scope="session")
 def spec_scope() -> str:
     """The exploration scope the suite runs at."""

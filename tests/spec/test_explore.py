@@ -6,9 +6,13 @@ counts are printed (pytest -s) and asserted to be non-trivial.
 
 import copy
 
+import attrs
+
 import pytest
 
-from cadence.spec.explore import CI_SCOPES, SCOPES, Scope, Shape, canonical_key, explore
+from cadence.spec.explore import (
+    CI_SCOPES, SCOPES, Scope, Shape, canonical_key, explore, explore_identity, uniform_scope,
+)
 from cadence.spec.harness import Harness
 
 # Whole-scope explorations: minutes each on a loaded 2-core machine.
@@ -128,3 +132,39 @@ def test_a_broken_core_gives_a_shortest_runnable_counterexample(monkeypatch):
     test = namespace[next(k for k in namespace if k.startswith("test_"))]
     with pytest.raises(AssertionError):
         test()
+
+
+@pytest.mark.parametrize("scope_name", ["small", "tight"])
+@pytest.mark.parametrize("policy", ["fair", "priority", "deadline"])
+def test_policies_with_one_tenant_priority_and_no_deadline_plan_as_fcfs(policy, scope_name):
+    """`fair` with one tenant, `priority` with one priority and `deadline` with no
+    deadlines: in every state pair reachable at the scope (shapes made uniform),
+    each move leaves both cores with the same events and plans, entry for entry."""
+    result = explore_identity(policy, SCOPES[scope_name])
+    assert result.difference is None, result.difference
+    assert result.complete and result.num_states > 1000
+    shapes = result.scope.shapes
+    assert len({(s.priority, s.tenant, s.deadline_after_s) for s in shapes}) == 1
+
+
+def test_the_identity_check_finds_a_policy_that_plans_otherwise():
+    """`weighted` with a throughput weight admits short prompts first: the lockstep
+    exploration stops at the first plan that differs, with the moves to it."""
+    small = SCOPES["small"]
+    scope = attrs.evolve(small, config_overrides={**small.config_overrides,
+                                                  "throughput_weight": 1.0})
+    result = explore_identity("weighted", scope)
+    assert result.difference is not None and "weighted decided" in result.difference
+    assert result.moves and result.moves[-1][0] in ("step", "add")
+    assert uniform_scope(scope).shapes == result.scope.shapes
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_request_passed_over_without_a_skip_is_caught(patch_core, policy):
+    """`overtaken_only_when_skipped` (the aging bound's plan invariant) fails at the
+    tight scope when the core forgets to count skips."""
+    # Not charged a skip, a request passed over never holds capacity.
+    patch_core("_admit", "request.num_skips += 1", "pass")
+    ex = explore(policy, SCOPES["tight"], keep_graph=False, coverage=False)
+    assert ex.violations
+    assert "overtaken_only_when_skipped" in "\n".join(ex.violations[0].problems)

@@ -79,19 +79,21 @@ def test_predictions_stay_between_progress_and_limit(quantile):
 def drive(s, arrivals: dict[int, list], eos_after: dict[str, int], steps: int) -> list[tuple]:
     """Run `steps` steps adding `arrivals[step]`; a request samples EOS once it
     has `eos_after[rid]` tokens (else a filler). Returns each plan's decisions."""
-    out = []
-    for t in range(steps):
-        for r in arrivals.get(t, []):
-            s.add_request(r)
-        plan = s.schedule(float(t))
-        sampled = {}
-        for rid in sampling_ids(s, plan):
-            r = s.requests[rid]
-            sampled[rid] = [EOS if len(r.output_token_ids) + 1 >= eos_after.get(rid, 10**9) else 100]
-        s.update(plan, StepResult(plan.step_id, sampled))
-        out.append((dict(plan.num_scheduled_tokens), [d.request_id for d in plan.new_requests],
-                    list(plan.preempted_ids)))
-    return out
+    return [drive_step(s, arrivals, eos_after, t) for t in range(steps)]
+
+
+def drive_step(s, arrivals: dict[int, list], eos_after: dict[str, int], t: int) -> tuple:
+    """One step of `drive` at time `t`: its plan's decisions."""
+    for r in arrivals.get(t, []):
+        s.add_request(r)
+    plan = s.schedule(float(t))
+    sampled = {}
+    for rid in sampling_ids(s, plan):
+        r = s.requests[rid]
+        sampled[rid] = [EOS if len(r.output_token_ids) + 1 >= eos_after.get(rid, 10**9) else 100]
+    s.update(plan, StepResult(plan.step_id, sampled))
+    return (dict(plan.num_scheduled_tokens), [d.request_id for d in plan.new_requests],
+            list(plan.preempted_ids))
 
 
 def workload(seed: int, n: int = 40, eos: bool = False):
@@ -205,3 +207,72 @@ def test_the_smaller_predicted_watermark_admits_more_once_lengths_are_learnt():
         return peak_batch_after_early_stops(12, 16, admission_watermark=0.25,
                                             predicted_watermark=predicted_watermark)
     assert run(0.0) > run(0.25)
+
+
+def _drive_recording_hold(s, arrivals, eos_after, steps):
+    """`drive`, also returning per step whether the declared margins were held."""
+    plans, held = [], []
+    for t in range(steps):
+        plans.append(drive_step(s, arrivals, eos_after, t))
+        held.append(s._declared_margins_until > 0)
+    return plans, held
+
+
+THRASH = dict(num_blocks=24, block_size=4, max_num_seqs=8, max_model_len=48,
+              admission_headroom_steps=16, length_estimate_min_samples=2,
+              length_estimate_window=8, predicted_watermark=0.0, admission_watermark=0.2)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_thrash_window_changes_no_decision_before_preemptions_repeat(seed):
+    """Generous limits with EOS, memory short: the plans with the thrash window
+    on are those with it off up to the step where two growth preemptions came
+    within the window (the rule fired), and differ only after it, with fewer
+    preemptions."""
+    on = make_scheduler(thrash_window_steps=8, **THRASH)
+    off = make_scheduler(thrash_window_steps=0, **THRASH)
+    plans_on, held = _drive_recording_hold(on, *workload(seed, eos=True), 150)
+    plans_off, _ = _drive_recording_hold(off, *workload(seed, eos=True), 150)
+    first = next((i for i, (a, b) in enumerate(zip(plans_on, plans_off)) if a != b), None)
+    assert first is not None, "the trace never made the rule fire"
+    assert any(held[:first]), f"plans differ at step {first} before the rule fired"
+    # What it is for: fewer preemptions, every request finished.
+    assert on.collector.num_preemptions < off.collector.num_preemptions
+    assert not on.has_work() and not off.has_work()
+
+
+def test_repeated_growth_preemptions_keep_the_declared_margins():
+    """Two growth preemptions within the window hold the declared margins for the
+    window's steps; a lone one, or one in the same step, changes nothing."""
+    s = make_scheduler(num_blocks=100, admission_watermark=0.2, predicted_watermark=0.0,
+                       predicted_growth_share=0.5, length_estimate_min_samples=2,
+                       thrash_window_steps=10)
+    s.lengths.observe(3, at_limit=False)
+    s.lengths.observe(5, at_limit=False)
+    s.add_request(make_request("running", 4, max_tokens=40))
+    s.schedule(0.0)
+    s.step_id = 20
+    s._note_growth_preemption()
+    s._note_growth_preemption()  # the same step: one shortage
+    assert s._margins()[1] == 0 and s._admission_reserve(0.0) == 0
+    s.step_id = 31
+    s._note_growth_preemption()  # 11 steps later: outside the window
+    assert s._margins()[1] == 0
+    s.step_id = 40
+    s._note_growth_preemption()  # 9 steps later: inside it
+    assert s._margins() == (s.config.admission_growth_share, 20)
+    s.step_id = 50
+    assert s._margins()[1] == 20
+    s.step_id = 51
+    assert s._margins()[1] == 0
+
+
+def test_the_thrash_window_does_nothing_with_exact_max_tokens():
+    """Nothing learnt (every request runs to its limit): preemptions leave the
+    margins as they are."""
+    s = make_scheduler(num_blocks=100, length_estimate_min_samples=1, thrash_window_steps=10)
+    s.lengths.observe(7, at_limit=True)
+    for step in (1, 2, 3):
+        s.step_id = step
+        s._note_growth_preemption()
+    assert s._last_growth_preemption is None and s._declared_margins_until == 0

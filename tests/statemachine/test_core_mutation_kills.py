@@ -44,16 +44,22 @@ def test_removing_a_request_already_popped_changes_nothing(name):
 
 @pytest.mark.parametrize("name", BUILT_IN)
 def test_a_policy_that_never_preempts_says_so_for_every_pair(name):
-    """`preempts_running` False is a promise that `may_preempt` is never true (the
-    scheduler skips the scan on it)."""
-    policy = make_policy(SchedulerConfig(policy=name))
-    if getattr(policy, "preempts_running", True):
-        assert policy.may_preempt(make_request("hi", 3, priority=0, arrival_s=0.0),
-                                  make_request("lo", 3, priority=5, arrival_s=9.0))
-        return
+    """`preempts_running` False is a promise that `may_preempt` is never true
+    between the requests queued so far (the scheduler skips the scan on it);
+    the priority policies make no such promise once they have queued priorities
+    a gap apart."""
     for wp, rp in ((0, 5), (5, 0), (1, 1)):
-        assert not policy.may_preempt(make_request("w", 3, priority=wp, arrival_s=0.0),
-                                      make_request("r", 3, priority=rp, arrival_s=9.0))
+        policy = make_policy(SchedulerConfig(policy=name))
+        waiting = make_request("w", 3, priority=wp, arrival_s=0.0)
+        running = make_request("r", 3, priority=rp, arrival_s=9.0)
+        policy.push(waiting)
+        policy.push(running)
+        if getattr(policy, "preempts_running", True):
+            assert name in ("priority", "strict-priority") and wp != rp
+            assert policy.may_preempt(waiting, running) is (wp < rp)
+        else:
+            assert not policy.may_preempt(waiting, running)
+    assert make_policy(SchedulerConfig(policy=name)).preempts_running is False
 
 
 def test_cached_blocks_that_already_hold_every_token_take_no_fresh_block():

@@ -123,6 +123,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             length_estimate_min_samples=draw(st.integers(1, 3), label="length min samples"),
             length_estimate_quantile=draw(st.sampled_from([0.0, 0.2, 0.5, 1.0]), label="length quantile"),
             predicted_watermark=draw(st.sampled_from([0.0, 0.0, 0.1, 0.3]), label="predicted watermark"),
+            thrash_window_steps=draw(st.sampled_from([0, 2, 64]), label="thrash window"),
             predicted_growth_share=draw(st.sampled_from([0.0, 0.5, 0.8, 1.0]),
                                         label="predicted growth share"),
             preempt_min_priority_gap=draw(st.integers(1, 2), label="preempt gap"),
