@@ -214,7 +214,7 @@ def test_bad_sampling_limits_name_the_field(kwargs, field):
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("max_tokens", 0), ("min_tokens", -1), ("min_tokens", 17), ("temperature", -0.1), ("top_k", -1),
+    ("max_tokens", 0), ("min_tokens", -1), ("min_tokens", 17), ("temperature", -0.1), ("top_k", -2),
     ("top_p", 0.0), ("top_p", 1.5), ("min_p", 1.5), ("repetition_penalty", 0.0),
     ("presence_penalty", 2.5), ("frequency_penalty", -2.5), ("logprobs", 21), ("logprobs", -1),
     ("stop", ""),
@@ -231,6 +231,13 @@ def test_bad_sampling_params_name_the_field_and_value(field, value):
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams(**{field: value})
     assert str(info.value).startswith(field) and repr(value) in str(info.value)
+
+
+def test_top_k_minus_one_is_vllms_no_top_k():
+    """-1 is vLLM's spelling of "no top-k" and means Cadence's 0; other negatives are refused."""
+    assert SamplingParams(top_k=-1).top_k == 0 == SamplingParams().top_k
+    with pytest.raises(InvalidRequestError, match="top_k"):
+        SamplingParams(top_k=-2)
 
 
 @pytest.mark.parametrize("value", [[2**64 - 1], [-1], [True], [1.0], 5])
