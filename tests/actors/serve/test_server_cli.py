@@ -99,3 +99,15 @@ def test_help_describes_the_options():
     for option in ("--host", "--unix", "--token-file", "--max-inflight-per-tenant", "--metrics-port",
                    "--shutdown-grace-s", "--model"):
         assert option in result.stdout
+
+
+def test_the_serving_process_freezes_startup_and_collects_less_often():
+    """`settle_collector` (run once `serve` listens) in a fresh interpreter: startup's
+    objects leave the collected generations and generation 0 waits for
+    SERVER_GC_THRESHOLD0 allocations, the older thresholds unchanged."""
+    code = ("import gc; from cadence.actors.serve.server import settle_collector, SERVER_GC_THRESHOLD0;"
+            "before = gc.get_threshold(); settle_collector(); after = gc.get_threshold();"
+            "print(before[1:] == after[1:], after[0] == SERVER_GC_THRESHOLD0 != before[0],"
+            " gc.get_freeze_count() > 1000, len(gc.get_objects()) < gc.get_freeze_count())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True"] * 4
