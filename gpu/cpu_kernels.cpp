@@ -17,7 +17,13 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define CADENCE_AVX512 1
+#endif
 
 namespace {
 
@@ -131,19 +137,268 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, 
   });
 }
 
+#ifdef CADENCE_AVX512
+// Decode attention in AVX-512 vectors, for float32, and for bfloat16 with the CPU's
+// bfloat16 dot products (AVX512_BF16), at the usual head sizes. The same sweep as
+// `decode_attention`, a tile of kTile positions at a time: each tile's keys are scored
+// against every query row of the task, sixteen positions' sums reduced together (the
+// products of bfloat16 values are exact in float32, so only the order of the sums
+// differs from the portable kernel), and the values are accumulated in float32
+// registers, up to eight query rows at a time.
+constexpr int64_t kTile = 16;
+
+// Element j of the result is the sum of the lanes of a[j].
+inline __m512 sum_each(const __m512* a) {
+  __m512 pairs[8], quads[4];
+  for (int k = 0; k < 8; ++k) {
+    pairs[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+  }
+  for (int m = 0; m < 4; ++m) {
+    quads[m] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * m], pairs[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(pairs[2 * m], pairs[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// What the kernel needs of an element type, for rows of kVecs float vectors: a query
+// row as the vectors its dot products take, its dot product with a key (a vector whose
+// lanes sum to it), a value row's c-th float vector, and a float row's store.
+template <typename scalar_t, int kVecs>
+struct Lanes;
+
+template <int kVecs>
+struct Lanes<float, kVecs> {
+  static constexpr int kQuery = kVecs;
+  using Query = __m512;
+  static Query query(const float* src, int c) { return _mm512_loadu_ps(src + 16 * c); }
+  static __m512 dot(const Query* q, const float* key) {
+    __m512 sum = _mm512_mul_ps(q[0], _mm512_loadu_ps(key));
+    for (int c = 1; c < kQuery; ++c) sum = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(key + 16 * c), sum);
+    return sum;
+  }
+  static __m512 value(const float* src, int c) { return _mm512_loadu_ps(src + 16 * c); }
+  static void store(float* dst, int c, __m512 x) { _mm512_storeu_ps(dst + 16 * c, x); }
+};
+
+#ifdef __AVX512BF16__
+template <int kVecs>
+struct Lanes<at::BFloat16, kVecs> {
+  static constexpr int kQuery = kVecs / 2;  // 32 bfloat16 values a dot-product instruction
+  using Query = __m512bh;
+  static Query query(const at::BFloat16* src, int c) { return (__m512bh)_mm512_loadu_si512(src + 32 * c); }
+  static __m512 dot(const Query* q, const at::BFloat16* key) {
+    __m512 sum = _mm512_setzero_ps();
+    for (int c = 0; c < kQuery; ++c) sum = _mm512_dpbf16_ps(sum, q[c], (__m512bh)_mm512_loadu_si512(key + 32 * c));
+    return sum;
+  }
+  static __m512 value(const at::BFloat16* src, int c) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * c));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
+  static void store(at::BFloat16* dst, int c, __m512 x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * c), (__m256i)_mm512_cvtneps_pbh(x));
+  }
+};
+#endif
+
+// sums[r] (kRows rows of kVecs float vectors, a row every head_dim = 16 * kVecs floats)
+// += weights[r * stride + p] * value(p) over positions [begin, end): in registers.
+template <typename scalar_t, int kVecs, int kRows>
+inline void accumulate(const scalar_t* cache, const int64_t* slots, int64_t head_offset, int64_t begin,
+                       int64_t end, const float* weights, int64_t stride, float* sums) {
+  __m512 total[kRows][kVecs];
+  for (int r = 0; r < kRows; ++r) {
+    for (int c = 0; c < kVecs; ++c) total[r][c] = _mm512_loadu_ps(sums + r * 16 * kVecs + 16 * c);
+  }
+  for (int64_t p = begin; p < end; ++p) {
+    const scalar_t* value = cache + slots[p] + head_offset;
+    __m512 row[kVecs];
+    for (int c = 0; c < kVecs; ++c) row[c] = Lanes<scalar_t, kVecs>::value(value, c);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 weight = _mm512_set1_ps(weights[r * stride + p]);
+      for (int c = 0; c < kVecs; ++c) total[r][c] = _mm512_fmadd_ps(weight, row[c], total[r][c]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    for (int c = 0; c < kVecs; ++c) _mm512_storeu_ps(sums + r * 16 * kVecs + 16 * c, total[r][c]);
+  }
+}
+
+// kVecs = head_dim / 16 float vectors a row; kRows query rows accumulated at once.
+template <typename scalar_t, int kVecs>
+void decode_attention_avx512(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                           const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
+                           torch::Tensor& out) {
+  using L = Lanes<scalar_t, kVecs>;
+  constexpr int kQuery = L::kQuery;
+  constexpr int kRows = kVecs >= 16 ? 1 : std::min(8, 16 / kVecs);
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t table_width = block_tables.size(1);
+  const scalar_t* q_ptr = query.data_ptr<scalar_t>();
+  const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
+  const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t q_stride_seq = query.stride(0), q_stride_head = query.stride(1);
+  const int64_t kv_stride_block = k_cache.stride(0), kv_stride_slot = k_cache.stride(1);
+  const int64_t kv_stride_head = k_cache.stride(2);
+  const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
+  const int64_t heads_per_task = num_seqs >= 4 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t tasks_per_seq = num_kv_heads / heads_per_task;
+  const int64_t task_bytes = ((heads_per_task - 1) * kv_stride_head + head_dim) * sizeof(scalar_t);
+
+  at::parallel_for(0, num_seqs * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+    const int64_t rows = heads_per_task * group;
+    std::vector<typename L::Query> q(rows * kQuery);
+    std::vector<float> acc(rows * head_dim), scores;
+    std::vector<int64_t> slots;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t seq = task / tasks_per_seq, first_kv = (task % tasks_per_seq) * heads_per_task;
+      const int64_t len = lens[seq];
+      const int32_t* table = tables + seq * table_width;
+      // Where each position's slot (its first KV head of this task) lies in a cache.
+      slots.resize(len);
+      for (int64_t start = 0, block = 0; start < len; start += block_size, ++block) {
+        const int64_t base = static_cast<int64_t>(table[block]) * kv_stride_block + first_kv * kv_stride_head;
+        for (int64_t i = 0, n = std::min(block_size, len - start); i < n; ++i) slots[start + i] = base + i * kv_stride_slot;
+      }
+      auto slot = [&](const scalar_t* cache, int64_t pos) { return cache + slots[pos]; };
+      auto prefetch = [&](const scalar_t* cache, int64_t pos) {
+        const char* first = reinterpret_cast<const char*>(slot(cache, pos));
+        for (int64_t offset = 0; offset < task_bytes; offset += kCacheLine) __builtin_prefetch(first + offset);
+      };
+      for (int64_t r = 0; r < rows; ++r) {
+        const scalar_t* src = q_ptr + seq * q_stride_seq + (first_kv * group + r) * q_stride_head;
+        for (int c = 0; c < kQuery; ++c) q[r * kQuery + c] = L::query(src, c);
+      }
+      scores.resize(rows * len + kTile);
+      // Scores, a tile of positions at a time (a partial tile one position at a time).
+      int64_t pos = 0;
+      for (; pos + kTile <= len; pos += kTile) {
+        for (int64_t p = pos + 2 * kTile; p < std::min(len, pos + 3 * kTile); ++p) prefetch(k_ptr, p);
+        for (int64_t h = 0; h < heads_per_task; ++h) {
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t r = h * group + g;
+            __m512 dots[kTile];
+            for (int64_t p = 0; p < kTile; ++p) {
+              const scalar_t* key = slot(k_ptr, pos + p) + h * kv_stride_head;
+              dots[p] = L::dot(q.data() + r * kQuery, key);
+            }
+            _mm512_storeu_ps(scores.data() + r * len + pos, _mm512_mul_ps(sum_each(dots), vscale));
+          }
+        }
+      }
+      for (; pos < len; ++pos) {
+        for (int64_t h = 0; h < heads_per_task; ++h) {
+          const scalar_t* key = slot(k_ptr, pos) + h * kv_stride_head;
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t r = h * group + g;
+            scores[r * len + pos] = _mm512_reduce_add_ps(L::dot(q.data() + r * kQuery, key)) * static_cast<float>(scale);
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float* s = scores.data() + r * len;
+        const float peak = *std::max_element(s, s + len);
+        float total = 0.0f;
+        for (int64_t p = 0; p < len; ++p) {
+          s[p] = std::exp(s[p] - peak);
+          total += s[p];
+        }
+        const float inverse = 1.0f / total;
+        for (int64_t p = 0; p < len; ++p) s[p] *= inverse;
+      }
+      // Values: rows of one KV head kRows at a time, in registers over a tile of positions.
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t tile = 0; tile < len; tile += kTile) {
+        const int64_t tile_end = std::min(len, tile + kTile);
+        for (int64_t p = tile + 2 * kTile; p < std::min(len, tile + 3 * kTile); ++p) prefetch(v_ptr, p);
+        for (int64_t h = 0; h < heads_per_task; ++h) {
+          for (int64_t g0 = 0; g0 < group; g0 += kRows) {
+            const int64_t r0 = h * group + g0;
+            const float* weights = scores.data() + r0 * len;
+            float* sums = acc.data() + r0 * head_dim;
+            switch (std::min<int64_t>(kRows, group - g0)) {
+              case 1: accumulate<scalar_t, kVecs, 1>(v_ptr, slots.data(), h * kv_stride_head, tile, tile_end, weights, len, sums); break;
+              case 2: accumulate<scalar_t, kVecs, 2>(v_ptr, slots.data(), h * kv_stride_head, tile, tile_end, weights, len, sums); break;
+              case 3: accumulate<scalar_t, kVecs, 3>(v_ptr, slots.data(), h * kv_stride_head, tile, tile_end, weights, len, sums); break;
+              case 4: accumulate<scalar_t, kVecs, 4>(v_ptr, slots.data(), h * kv_stride_head, tile, tile_end, weights, len, sums); break;
+              case 5: accumulate<scalar_t, kVecs, 5>(v_ptr, slots.data(), h * kv_stride_head, tile, tile_end, weights, len, sums); break;
+              case 6: accumulate<scalar_t, kVecs, 6>(v_ptr, slots.data(), h * kv_stride_head, tile, tile_end, weights, len, sums); break;
+              case 7: accumulate<scalar_t, kVecs, 7>(v_ptr, slots.data(), h * kv_stride_head, tile, tile_end, weights, len, sums); break;
+              default: accumulate<scalar_t, kVecs, 8>(v_ptr, slots.data(), h * kv_stride_head, tile, tile_end, weights, len, sums); break;
+            }
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        scalar_t* o = out_ptr + seq * out.stride(0) + (first_kv * group + r) * out.stride(1);
+        for (int c = 0; c < kVecs; ++c) L::store(o, c, _mm512_loadu_ps(acc.data() + r * head_dim + 16 * c));
+      }
+    }
+  });
+}
+
+// The vector kernel for this element type and head size, or nullptr (the portable one runs).
+using AttentionFn = void (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                             const torch::Tensor&, double, torch::Tensor&);
+template <typename scalar_t>
+AttentionFn vector_kernel_for(int64_t head_dim) {
+  switch (head_dim) {
+    case 32: return &decode_attention_avx512<scalar_t, 2>;
+    case 64: return &decode_attention_avx512<scalar_t, 4>;
+    case 96: return &decode_attention_avx512<scalar_t, 6>;
+    case 128: return &decode_attention_avx512<scalar_t, 8>;
+    case 256: return &decode_attention_avx512<scalar_t, 16>;
+    default: return nullptr;
+  }
+}
+
+inline AttentionFn vector_kernel_for(at::ScalarType dtype, int64_t head_dim) {
+  if (dtype == at::ScalarType::Float) return vector_kernel_for<float>(head_dim);
+#ifdef __AVX512BF16__
+  if (dtype == at::ScalarType::BFloat16) return vector_kernel_for<at::BFloat16>(head_dim);
+#endif
+  return nullptr;
+}
+#endif  // CADENCE_AVX512
+
 }  // namespace
 
-// Round a float to bfloat16 (nearest, ties to even) and back, as torch's bfloat16 ops store results.
+// Round a float to bfloat16 (nearest, ties to even; any NaN to the quiet NaN) and
+// back, as torch's bfloat16 ops store results: in bit operations, so loops of it
+// vectorize.
 inline float round_bfloat16(float x) {
   uint32_t bits;
   std::memcpy(&bits, &x, sizeof(bits));
-  bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  rounded = (bits & 0x7fffffffu) > 0x7f800000u ? 0x7fc00000u : rounded;
   float out;
-  std::memcpy(&out, &bits, sizeof(out));
+  std::memcpy(&out, &rounded, sizeof(out));
   return out;
 }
+// x stored in scalar_t and read back.
 template <typename scalar_t>
 inline float stored(float x) { return static_cast<float>(static_cast<scalar_t>(x)); }
+template <>
+inline float stored<at::BFloat16>(float x) { return round_bfloat16(x); }
+// x, already a value of scalar_t, as one.
+template <typename scalar_t>
+inline scalar_t exact(float x) { return static_cast<scalar_t>(x); }
+template <>
+inline at::BFloat16 exact<at::BFloat16>(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return at::BFloat16(static_cast<uint16_t>(bits >> 16), at::BFloat16::from_bits());
+}
 
 // RMSNorm of rows of x [rows, dim] scaled by weight [dim], in float32; with `residual`,
 // of residual + x, which is also returned (the next residual). Each intermediate is
@@ -216,14 +471,16 @@ void rotate_rows(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor
       const scalar_t* st = s + t * table;
       for (int64_t h = 0; h < heads; ++h) {
         scalar_t* row = base + t * stride_token + h * stride_head;
+        // The halves are apart: no iteration reads what another writes.
+#pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
           const float a = to_float(row[i]), b = to_float(row[i + half]);
           const float first = stored<scalar_t>(stored<scalar_t>(a * to_float(ct[i])) +
                                                stored<scalar_t>(-b * to_float(st[i])));
           const float second = stored<scalar_t>(stored<scalar_t>(b * to_float(ct[i + half])) +
                                                 stored<scalar_t>(a * to_float(st[i + half])));
-          row[i] = static_cast<scalar_t>(first);
-          row[i + half] = static_cast<scalar_t>(second);
+          row[i] = exact<scalar_t>(first);
+          row[i + half] = exact<scalar_t>(second);
         }
       }
     }
@@ -240,6 +497,93 @@ void rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, x.scalar_type(), "rotary", [&] {
     rotate_rows<scalar_t>(x, cos, sin);
   });
+}
+
+inline bool is_nan_bits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return (bits & 0x7fffffffu) > 0x7f800000u;  // in bits: -ffast-math drops std::isnan
+}
+
+// The index of the largest of row[0, n), the first of several equal ones, or of the
+// first NaN: torch.argmax's answer.
+template <typename scalar_t>
+int64_t argmax_row(const scalar_t* row, int64_t n) {
+  int64_t start = 0, best = 0;
+  float best_value = -std::numeric_limits<float>::infinity();
+#ifdef CADENCE_AVX512
+  if (n >= 16) {
+    auto load = [&](int64_t i) {
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        return _mm512_loadu_ps(row + i);
+      } else if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+      } else {
+        float values[16];
+        for (int j = 0; j < 16; ++j) values[j] = to_float(row[i + j]);
+        return _mm512_loadu_ps(values);
+      }
+    };
+    // Each lane keeps its first largest value and where it was; NaNs are looked for apart.
+    __m512 lane_best = load(0);
+    __m512i lane_index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i index = lane_index;
+    const __m512i step = _mm512_set1_epi32(16);
+    __mmask16 nan = _mm512_cmp_ps_mask(lane_best, lane_best, _CMP_UNORD_Q);
+    for (start = 16; start + 16 <= n; start += 16) {
+      const __m512 values = load(start);
+      index = _mm512_add_epi32(index, step);
+      const __mmask16 larger = _mm512_cmp_ps_mask(values, lane_best, _CMP_GT_OQ);
+      lane_best = _mm512_mask_mov_ps(lane_best, larger, values);
+      lane_index = _mm512_mask_mov_epi32(lane_index, larger, index);
+      nan |= _mm512_cmp_ps_mask(values, values, _CMP_UNORD_Q);
+    }
+    if (nan) {
+      for (int64_t i = 0; i < start; ++i) {
+        if (is_nan_bits(to_float(row[i]))) return i;
+      }
+    }
+    float values[16];
+    int32_t indices[16];
+    _mm512_storeu_ps(values, lane_best);
+    _mm512_storeu_si512(indices, lane_index);
+    best = indices[0];
+    best_value = values[0];
+    for (int j = 1; j < 16; ++j) {
+      if (values[j] > best_value || (values[j] == best_value && indices[j] < best)) {
+        best = indices[j];
+        best_value = values[j];
+      }
+    }
+  }
+#endif
+  for (int64_t i = start; i < n; ++i) {
+    const float value = to_float(row[i]);
+    if (is_nan_bits(value)) return i;
+    if (value > best_value || i == 0) {
+      best = i;
+      best_value = value;
+    }
+  }
+  return best;
+}
+
+// argmax over the last dimension of x [rows, n] (contiguous rows): int64 [rows].
+torch::Tensor argmax(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "argmax needs x [rows, n] with contiguous rows");
+  TORCH_CHECK(x.size(1) > 0, "argmax of an empty row");
+  TORCH_CHECK(x.size(1) < (int64_t{1} << 31), "rows must have fewer than 2^31 values");
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  auto out = torch::empty({rows}, x.options().dtype(torch::kInt64));
+  int64_t* result = out.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, x.scalar_type(), "argmax", [&] {
+    const scalar_t* base = x.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) result[r] = argmax_row(base + r * stride, n);
+    });
+  });
+  return out;
 }
 
 // query [num_seqs, num_heads, head_dim] (one token per sequence); caches
@@ -259,6 +603,12 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   auto out = torch::empty_like(query);
+#ifdef CADENCE_AVX512
+  if (AttentionFn fast = vector_kernel_for(query.scalar_type(), query.size(2))) {
+    fast(query, k_cache, v_cache, tables, lens, scale, out);
+    return out;
+  }
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, query.scalar_type(),
                                   "paged_decode_attention", [&] {
     decode_attention<scalar_t>(query, k_cache, v_cache, tables, lens, scale, out);
@@ -267,8 +617,14 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache");
+  // The kernels run without the GIL, as torch's own ops do: the engine's event loop
+  // keeps running while the model thread is in one.
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache",
+        py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm of rows, optionally of residual + x",
-        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
-  m.def("rotary", &rotary, "rotary embedding in place, rotate-half layout");
+        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rotary", &rotary, "rotary embedding in place, rotate-half layout",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("argmax", &argmax, "torch.argmax(x, dim=-1) of rows", py::call_guard<py::gil_scoped_release>());
 }

@@ -89,6 +89,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return outputs[0] if residual is None else tuple(outputs)
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)` of logits [N, V]: the same index (the first of equal
+    largest values, or the first NaN), several times faster than torch's on this
+    path's CPUs."""
+    return _kernels().argmax(logits.contiguous())
+
+
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for [T, I] tensors."""
     return torch.nn.functional.silu(gate).mul_(up)

@@ -51,6 +51,8 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
     (40, 70, 16, 4, 3, 64),    # many: one task per sequence, every head in a sweep
     (9, 33, 1, 1, 8, 128),     # blocks of one slot, one KV head for eight query heads
     (5, 48, 16, 8, 1, 64),     # no grouping
+    (6, 300, 32, 2, 4, 96),    # many whole tiles of positions and a partial one
+    (2, 40, 16, 1, 2, 256),    # the widest head size the vector kernels take
 ])
 @pytest.mark.parametrize("num_threads", [1, 2])
 def test_decode_kernel_matches_the_reference(kernel, dtype, num_seqs, max_len, block_size, num_kv_heads, group,
@@ -212,3 +214,20 @@ def test_rope_and_write_kv_normalises_rotates_and_stores(kernel):
     torch.testing.assert_close(got, want_q, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(caches[0], caches[2], atol=1e-2, rtol=1e-2)
     assert torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width", [1, 15, 16, 17, 48, 1000, 32003])
+def test_argmax_kernel_gives_torchs_index_with_ties_infinities_and_nans(kernel, dtype, width):
+    """Greedy decoding takes this index: it must be torch.argmax's in every case (the first
+    of equal largest values, the first NaN, index 0 of an all -inf row)."""
+    generator = torch.Generator().manual_seed(width)
+    ties = torch.randint(-3, 4, (23, width), generator=generator).to(dtype)  # many equal maxima
+    mixed = torch.randn(23, width, generator=generator).to(dtype)
+    mixed[1] = float("-inf")
+    mixed[2, width // 2] = float("nan")
+    mixed[3, -1] = float("nan")
+    mixed[4, 0] = float("nan")
+    mixed[5, width // 3] = float("inf")
+    for logits in (ties, mixed, mixed[:, : max(1, width - 1)]):
+        assert torch.equal(cpu_kernels.argmax(logits), logits.argmax(dim=-1))
