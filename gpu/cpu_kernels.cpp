@@ -46,62 +46,71 @@ inline void load_row(const scalar_t* src, float* dst, int64_t n) {
 // hardware's stream prefetcher loses its stream at every block boundary.
 constexpr int64_t kCacheLine = 64;
 
+// The shapes, strides and data of one decode attention call, and how it is cut into
+// tasks: a task is a sequence's KV heads [first, first + heads_per_task), whole
+// sequences when there are enough to keep every thread busy, so that each task sweeps
+// its blocks' memory front to back (one slot holds every head), else single heads.
+template <typename scalar_t>
+struct DecodeLayout {
+  int64_t num_seqs, num_heads, head_dim, block_size, num_kv_heads, group, table_width;
+  const scalar_t *q_ptr, *k_ptr, *v_ptr;
+  scalar_t* out_ptr;
+  const int32_t *tables, *lens;
+  int64_t q_stride_seq, q_stride_head, kv_stride_block, kv_stride_slot, kv_stride_head;
+  int64_t heads_per_task, tasks_per_seq, task_bytes;
+
+  DecodeLayout(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+               const torch::Tensor& block_tables, const torch::Tensor& seq_lens, torch::Tensor& out)
+      : num_seqs(query.size(0)), num_heads(query.size(1)), head_dim(query.size(2)),
+        block_size(k_cache.size(1)), num_kv_heads(k_cache.size(2)), group(num_heads / num_kv_heads),
+        table_width(block_tables.size(1)), q_ptr(query.data_ptr<scalar_t>()), k_ptr(k_cache.data_ptr<scalar_t>()),
+        v_ptr(v_cache.data_ptr<scalar_t>()), out_ptr(out.data_ptr<scalar_t>()),
+        tables(block_tables.data_ptr<int32_t>()), lens(seq_lens.data_ptr<int32_t>()),
+        q_stride_seq(query.stride(0)), q_stride_head(query.stride(1)), kv_stride_block(k_cache.stride(0)),
+        kv_stride_slot(k_cache.stride(1)), kv_stride_head(k_cache.stride(2)),
+        heads_per_task(num_seqs >= 4 * at::get_num_threads() ? num_kv_heads : 1),
+        tasks_per_seq(num_kv_heads / heads_per_task),
+        task_bytes(((heads_per_task - 1) * kv_stride_head + head_dim) * sizeof(scalar_t)) {}
+};
+
 template <typename scalar_t>
 void decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                       const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
                       torch::Tensor& out) {
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t table_width = block_tables.size(1);
-  const scalar_t* q_ptr = query.data_ptr<scalar_t>();
-  const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
-  const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
-  scalar_t* out_ptr = out.data_ptr<scalar_t>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int64_t q_stride_seq = query.stride(0), q_stride_head = query.stride(1);
-  const int64_t kv_stride_block = k_cache.stride(0), kv_stride_slot = k_cache.stride(1);
-  const int64_t kv_stride_head = k_cache.stride(2);
+  const DecodeLayout<scalar_t> shape(query, k_cache, v_cache, block_tables, seq_lens, out);
   const float fscale = static_cast<float>(scale);
-  // A task is a sequence's KV heads [first, first + heads_per_task): whole sequences when
-  // there are enough to keep every thread busy, so that each task sweeps its blocks'
-  // memory front to back (one slot holds every head), else single heads.
-  const int64_t heads_per_task = num_seqs >= 4 * at::get_num_threads() ? num_kv_heads : 1;
-  const int64_t tasks_per_seq = num_kv_heads / heads_per_task;
-  const int64_t task_bytes = ((heads_per_task - 1) * kv_stride_head + head_dim) * sizeof(scalar_t);
 
-  at::parallel_for(0, num_seqs * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
-    const int64_t rows = heads_per_task * group;
-    std::vector<float> q(rows * head_dim), acc(rows * head_dim), row(head_dim), scores;
+  at::parallel_for(0, shape.num_seqs * shape.tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+    const int64_t rows = shape.heads_per_task * shape.group;
+    std::vector<float> q(rows * shape.head_dim), acc(rows * shape.head_dim), row(shape.head_dim), scores;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / tasks_per_seq, first_kv = (task % tasks_per_seq) * heads_per_task;
-      const int64_t len = lens[seq];
-      const int32_t* table = tables + seq * table_width;
+      const int64_t seq = task / shape.tasks_per_seq, first_kv = (task % shape.tasks_per_seq) * shape.heads_per_task;
+      const int64_t len = shape.lens[seq];
+      const int32_t* table = shape.tables + seq * shape.table_width;
       // Where position `pos` of this task's first KV head lives in a cache.
       auto slot_at = [&](const scalar_t* cache, int64_t pos) {
-        return cache + static_cast<int64_t>(table[pos / block_size]) * kv_stride_block +
-               (pos % block_size) * kv_stride_slot;
+        return cache + static_cast<int64_t>(table[pos / shape.block_size]) * shape.kv_stride_block +
+               (pos % shape.block_size) * shape.kv_stride_slot;
       };
       auto prefetch = [&](const scalar_t* slot) {
-        const char* first = reinterpret_cast<const char*>(slot + first_kv * kv_stride_head);
-        for (int64_t offset = 0; offset < task_bytes; offset += kCacheLine) __builtin_prefetch(first + offset);
+        const char* first = reinterpret_cast<const char*>(slot + first_kv * shape.kv_stride_head);
+        for (int64_t offset = 0; offset < shape.task_bytes; offset += kCacheLine) __builtin_prefetch(first + offset);
       };
       for (int64_t r = 0; r < rows; ++r) {
-        load_row(q_ptr + seq * q_stride_seq + (first_kv * group + r) * q_stride_head, q.data() + r * head_dim,
-                 head_dim);
+        load_row(shape.q_ptr + seq * shape.q_stride_seq + (first_kv * shape.group + r) * shape.q_stride_head, q.data() + r * shape.head_dim,
+                 shape.head_dim);
       }
       scores.resize(rows * len);
       for (int64_t pos = 0; pos < len; ++pos) {
-        const scalar_t* slot = slot_at(k_ptr, pos);
-        if (pos + block_size < len) prefetch(slot_at(k_ptr, pos + block_size));
-        for (int64_t h = 0; h < heads_per_task; ++h) {
-          load_row(slot + (first_kv + h) * kv_stride_head, row.data(), head_dim);
-          for (int64_t g = 0; g < group; ++g) {
-            const float* qr = q.data() + (h * group + g) * head_dim;
+        const scalar_t* slot = slot_at(shape.k_ptr, pos);
+        if (pos + shape.block_size < len) prefetch(slot_at(shape.k_ptr, pos + shape.block_size));
+        for (int64_t h = 0; h < shape.heads_per_task; ++h) {
+          load_row(slot + (first_kv + h) * shape.kv_stride_head, row.data(), shape.head_dim);
+          for (int64_t g = 0; g < shape.group; ++g) {
+            const float* qr = q.data() + (h * shape.group + g) * shape.head_dim;
             float dot = 0.0f;
-            for (int64_t d = 0; d < head_dim; ++d) dot += qr[d] * row[d];
-            scores[(h * group + g) * len + pos] = dot * fscale;
+            for (int64_t d = 0; d < shape.head_dim; ++d) dot += qr[d] * row[d];
+            scores[(h * shape.group + g) * len + pos] = dot * fscale;
           }
         }
       }
@@ -118,20 +127,20 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, 
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t pos = 0; pos < len; ++pos) {
-        const scalar_t* slot = slot_at(v_ptr, pos);
-        if (pos + block_size < len) prefetch(slot_at(v_ptr, pos + block_size));
-        for (int64_t h = 0; h < heads_per_task; ++h) {
-          load_row(slot + (first_kv + h) * kv_stride_head, row.data(), head_dim);
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[(h * group + g) * len + pos];
-            float* a = acc.data() + (h * group + g) * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row[d];
+        const scalar_t* slot = slot_at(shape.v_ptr, pos);
+        if (pos + shape.block_size < len) prefetch(slot_at(shape.v_ptr, pos + shape.block_size));
+        for (int64_t h = 0; h < shape.heads_per_task; ++h) {
+          load_row(slot + (first_kv + h) * shape.kv_stride_head, row.data(), shape.head_dim);
+          for (int64_t g = 0; g < shape.group; ++g) {
+            const float p = scores[(h * shape.group + g) * len + pos];
+            float* a = acc.data() + (h * shape.group + g) * shape.head_dim;
+            for (int64_t d = 0; d < shape.head_dim; ++d) a[d] += p * row[d];
           }
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
-        scalar_t* o = out_ptr + seq * out.stride(0) + (first_kv * group + r) * out.stride(1);
-        for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<scalar_t>(acc[r * head_dim + d]);
+        scalar_t* o = shape.out_ptr + seq * out.stride(0) + (first_kv * shape.group + r) * out.stride(1);
+        for (int64_t d = 0; d < shape.head_dim; ++d) o[d] = static_cast<scalar_t>(acc[r * shape.head_dim + d]);
       }
     }
   });
@@ -237,59 +246,44 @@ void decode_attention_avx512(const torch::Tensor& query, const torch::Tensor& k_
   using L = Lanes<scalar_t, kVecs>;
   constexpr int kQuery = L::kQuery;
   constexpr int kRows = kVecs >= 16 ? 1 : std::min(8, 16 / kVecs);
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t table_width = block_tables.size(1);
-  const scalar_t* q_ptr = query.data_ptr<scalar_t>();
-  const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
-  const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
-  scalar_t* out_ptr = out.data_ptr<scalar_t>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int64_t q_stride_seq = query.stride(0), q_stride_head = query.stride(1);
-  const int64_t kv_stride_block = k_cache.stride(0), kv_stride_slot = k_cache.stride(1);
-  const int64_t kv_stride_head = k_cache.stride(2);
+  const DecodeLayout<scalar_t> shape(query, k_cache, v_cache, block_tables, seq_lens, out);
   const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
-  const int64_t heads_per_task = num_seqs >= 4 * at::get_num_threads() ? num_kv_heads : 1;
-  const int64_t tasks_per_seq = num_kv_heads / heads_per_task;
-  const int64_t task_bytes = ((heads_per_task - 1) * kv_stride_head + head_dim) * sizeof(scalar_t);
 
-  at::parallel_for(0, num_seqs * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
-    const int64_t rows = heads_per_task * group;
+  at::parallel_for(0, shape.num_seqs * shape.tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+    const int64_t rows = shape.heads_per_task * shape.group;
     std::vector<typename L::Query> q(rows * kQuery);
-    std::vector<float> acc(rows * head_dim), scores;
+    std::vector<float> acc(rows * shape.head_dim), scores;
     std::vector<int64_t> slots;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / tasks_per_seq, first_kv = (task % tasks_per_seq) * heads_per_task;
-      const int64_t len = lens[seq];
-      const int32_t* table = tables + seq * table_width;
+      const int64_t seq = task / shape.tasks_per_seq, first_kv = (task % shape.tasks_per_seq) * shape.heads_per_task;
+      const int64_t len = shape.lens[seq];
+      const int32_t* table = shape.tables + seq * shape.table_width;
       // Where each position's slot (its first KV head of this task) lies in a cache.
       slots.resize(len);
-      for (int64_t start = 0, block = 0; start < len; start += block_size, ++block) {
-        const int64_t base = static_cast<int64_t>(table[block]) * kv_stride_block + first_kv * kv_stride_head;
-        for (int64_t i = 0, n = std::min(block_size, len - start); i < n; ++i) slots[start + i] = base + i * kv_stride_slot;
+      for (int64_t start = 0, block = 0; start < len; start += shape.block_size, ++block) {
+        const int64_t base = static_cast<int64_t>(table[block]) * shape.kv_stride_block + first_kv * shape.kv_stride_head;
+        for (int64_t i = 0, n = std::min(shape.block_size, len - start); i < n; ++i) slots[start + i] = base + i * shape.kv_stride_slot;
       }
       auto slot = [&](const scalar_t* cache, int64_t pos) { return cache + slots[pos]; };
       auto prefetch = [&](const scalar_t* cache, int64_t pos) {
         const char* first = reinterpret_cast<const char*>(slot(cache, pos));
-        for (int64_t offset = 0; offset < task_bytes; offset += kCacheLine) __builtin_prefetch(first + offset);
+        for (int64_t offset = 0; offset < shape.task_bytes; offset += kCacheLine) __builtin_prefetch(first + offset);
       };
       for (int64_t r = 0; r < rows; ++r) {
-        const scalar_t* src = q_ptr + seq * q_stride_seq + (first_kv * group + r) * q_stride_head;
+        const scalar_t* src = shape.q_ptr + seq * shape.q_stride_seq + (first_kv * shape.group + r) * shape.q_stride_head;
         for (int c = 0; c < kQuery; ++c) q[r * kQuery + c] = L::query(src, c);
       }
       scores.resize(rows * len + kTile);
       // Scores, a tile of positions at a time (a partial tile one position at a time).
       int64_t pos = 0;
       for (; pos + kTile <= len; pos += kTile) {
-        for (int64_t p = pos + 2 * kTile; p < std::min(len, pos + 3 * kTile); ++p) prefetch(k_ptr, p);
-        for (int64_t h = 0; h < heads_per_task; ++h) {
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t r = h * group + g;
+        for (int64_t p = pos + 2 * kTile; p < std::min(len, pos + 3 * kTile); ++p) prefetch(shape.k_ptr, p);
+        for (int64_t h = 0; h < shape.heads_per_task; ++h) {
+          for (int64_t g = 0; g < shape.group; ++g) {
+            const int64_t r = h * shape.group + g;
             __m512 dots[kTile];
             for (int64_t p = 0; p < kTile; ++p) {
-              const scalar_t* key = slot(k_ptr, pos + p) + h * kv_stride_head;
+              const scalar_t* key = slot(shape.k_ptr, pos + p) + h * shape.kv_stride_head;
               dots[p] = L::dot(q.data() + r * kQuery, key);
             }
             _mm512_storeu_ps(scores.data() + r * len + pos, _mm512_mul_ps(sum_each(dots), vscale));
@@ -297,10 +291,10 @@ void decode_attention_avx512(const torch::Tensor& query, const torch::Tensor& k_
         }
       }
       for (; pos < len; ++pos) {
-        for (int64_t h = 0; h < heads_per_task; ++h) {
-          const scalar_t* key = slot(k_ptr, pos) + h * kv_stride_head;
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t r = h * group + g;
+        for (int64_t h = 0; h < shape.heads_per_task; ++h) {
+          const scalar_t* key = slot(shape.k_ptr, pos) + h * shape.kv_stride_head;
+          for (int64_t g = 0; g < shape.group; ++g) {
+            const int64_t r = h * shape.group + g;
             scores[r * len + pos] = _mm512_reduce_add_ps(L::dot(q.data() + r * kQuery, key)) * static_cast<float>(scale);
           }
         }
@@ -320,28 +314,28 @@ void decode_attention_avx512(const torch::Tensor& query, const torch::Tensor& k_
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t tile = 0; tile < len; tile += kTile) {
         const int64_t tile_end = std::min(len, tile + kTile);
-        for (int64_t p = tile + 2 * kTile; p < std::min(len, tile + 3 * kTile); ++p) prefetch(v_ptr, p);
-        for (int64_t h = 0; h < heads_per_task; ++h) {
-          for (int64_t g0 = 0; g0 < group; g0 += kRows) {
-            const int64_t r0 = h * group + g0;
+        for (int64_t p = tile + 2 * kTile; p < std::min(len, tile + 3 * kTile); ++p) prefetch(shape.v_ptr, p);
+        for (int64_t h = 0; h < shape.heads_per_task; ++h) {
+          for (int64_t g0 = 0; g0 < shape.group; g0 += kRows) {
+            const int64_t r0 = h * shape.group + g0;
             const float* weights = scores.data() + r0 * len;
-            float* sums = acc.data() + r0 * head_dim;
-            switch (std::min<int64_t>(kRows, group - g0)) {
-              case 1: accumulate<scalar_t, kVecs, 1>(v_ptr, slots.data(), h * kv_stride_head, tile, tile_end, weights, len, sums); break;
-              case 2: accumulate<scalar_t, kVecs, 2>(v_ptr, slots.data(), h * kv_stride_head, tile, tile_end, weights, len, sums); break;
-              case 3: accumulate<scalar_t, kVecs, 3>(v_ptr, slots.data(), h * kv_stride_head, tile, tile_end, weights, len, sums); break;
-              case 4: accumulate<scalar_t, kVecs, 4>(v_ptr, slots.data(), h * kv_stride_head, tile, tile_end, weights, len, sums); break;
-              case 5: accumulate<scalar_t, kVecs, 5>(v_ptr, slots.data(), h * kv_stride_head, tile, tile_end, weights, len, sums); break;
-              case 6: accumulate<scalar_t, kVecs, 6>(v_ptr, slots.data(), h * kv_stride_head, tile, tile_end, weights, len, sums); break;
-              case 7: accumulate<scalar_t, kVecs, 7>(v_ptr, slots.data(), h * kv_stride_head, tile, tile_end, weights, len, sums); break;
-              default: accumulate<scalar_t, kVecs, 8>(v_ptr, slots.data(), h * kv_stride_head, tile, tile_end, weights, len, sums); break;
+            float* sums = acc.data() + r0 * shape.head_dim;
+            switch (std::min<int64_t>(kRows, shape.group - g0)) {
+              case 1: accumulate<scalar_t, kVecs, 1>(shape.v_ptr, slots.data(), h * shape.kv_stride_head, tile, tile_end, weights, len, sums); break;
+              case 2: accumulate<scalar_t, kVecs, 2>(shape.v_ptr, slots.data(), h * shape.kv_stride_head, tile, tile_end, weights, len, sums); break;
+              case 3: accumulate<scalar_t, kVecs, 3>(shape.v_ptr, slots.data(), h * shape.kv_stride_head, tile, tile_end, weights, len, sums); break;
+              case 4: accumulate<scalar_t, kVecs, 4>(shape.v_ptr, slots.data(), h * shape.kv_stride_head, tile, tile_end, weights, len, sums); break;
+              case 5: accumulate<scalar_t, kVecs, 5>(shape.v_ptr, slots.data(), h * shape.kv_stride_head, tile, tile_end, weights, len, sums); break;
+              case 6: accumulate<scalar_t, kVecs, 6>(shape.v_ptr, slots.data(), h * shape.kv_stride_head, tile, tile_end, weights, len, sums); break;
+              case 7: accumulate<scalar_t, kVecs, 7>(shape.v_ptr, slots.data(), h * shape.kv_stride_head, tile, tile_end, weights, len, sums); break;
+              default: accumulate<scalar_t, kVecs, 8>(shape.v_ptr, slots.data(), h * shape.kv_stride_head, tile, tile_end, weights, len, sums); break;
             }
           }
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
-        scalar_t* o = out_ptr + seq * out.stride(0) + (first_kv * group + r) * out.stride(1);
-        for (int c = 0; c < kVecs; ++c) L::store(o, c, _mm512_loadu_ps(acc.data() + r * head_dim + 16 * c));
+        scalar_t* o = shape.out_ptr + seq * out.stride(0) + (first_kv * shape.group + r) * out.stride(1);
+        for (int c = 0; c < kVecs; ++c) L::store(o, c, _mm512_loadu_ps(acc.data() + r * shape.head_dim + 16 * c));
       }
     }
   });
