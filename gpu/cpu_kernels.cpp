@@ -610,6 +610,194 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
   return out;
 }
 
+// ---- products of a few rows: decode steps of small batches ------------------------------
+//
+// oneDNN's product reads a prepacked weight at ~30 GB/s for one row but slows to two
+// thirds of that at eight (its blocking is made for large batches). A product of at
+// most kSmallRows rows reads the weight once, as groups of kSmallColumns outputs (its
+// layout: `pack_small_batch` in cpu_kernels.py), each pair of inputs of a group one
+// 128-byte run; every row's pair is broadcast against it (AVX512_BF16 dot products,
+// float32 sums), so the weight streams at the memory's pace for any row count up to eight.
+constexpr int64_t kSmallRows = 8;
+constexpr int64_t kSmallColumns = 32;
+
+#ifdef __AVX512BF16__
+template <int kM>
+void small_product_rows(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* weight,
+                        const at::BFloat16* bias, at::BFloat16* y, int64_t y_stride, int64_t pairs,
+                        int64_t out_features, int64_t first_group, int64_t last_group) {
+  for (int64_t g = first_group; g < last_group; ++g) {
+    __m512 sums[kM][2];
+    for (int m = 0; m < kM; ++m) sums[m][0] = sums[m][1] = _mm512_setzero_ps();
+    const at::BFloat16* group = weight + g * pairs * 2 * kSmallColumns;
+    for (int64_t kp = 0; kp < pairs; ++kp) {
+      const __m512bh low = (__m512bh)_mm512_loadu_si512(group + kp * 2 * kSmallColumns);
+      const __m512bh high = (__m512bh)_mm512_loadu_si512(group + kp * 2 * kSmallColumns + kSmallColumns);
+      for (int m = 0; m < kM; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, x + m * x_stride + 2 * kp, sizeof(pair));
+        const __m512bh both = (__m512bh)_mm512_set1_epi32(pair);
+        sums[m][0] = _mm512_dpbf16_ps(sums[m][0], both, low);
+        sums[m][1] = _mm512_dpbf16_ps(sums[m][1], both, high);
+      }
+    }
+    for (int half = 0; half < 2; ++half) {
+      const int64_t first = g * kSmallColumns + half * 16;
+      if (first >= out_features) break;
+      const __mmask16 mask = out_features - first >= 16 ? __mmask16(0xffff)
+                                                        : __mmask16((1u << (out_features - first)) - 1u);
+      __m512 shift = _mm512_setzero_ps();
+      if (bias != nullptr) {
+        const __m256i raw = _mm256_maskz_loadu_epi16(mask, bias + first);
+        shift = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+      }
+      for (int m = 0; m < kM; ++m) {
+        const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_add_ps(sums[m][half], shift));
+        _mm256_mask_storeu_epi16(y + m * y_stride + first, mask, (__m256i)rounded);
+      }
+    }
+  }
+}
+#endif
+
+// x [M, K] bfloat16 (M <= kSmallRows, contiguous rows) times the packed weight
+// [groups, K / 2, kSmallColumns, 2] of a [out_features, K] one, plus bias: [M, out_features].
+at::Tensor small_product(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(0) <= kSmallRows, "x must be [<= 8, K], rows contiguous");
+  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(2) == kSmallColumns && packed.size(3) == 2 &&
+              packed.size(1) * 2 == x.size(1) && packed.size(0) * kSmallColumns >= out_features,
+              "packed weight does not fit x");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "bfloat16 only");
+  TORCH_CHECK(!bias.has_value() || (bias->is_contiguous() && bias->numel() == out_features &&
+                                    bias->scalar_type() == at::kBFloat16), "bias must be [out_features] bfloat16");
+  auto y = torch::empty({x.size(0), out_features}, x.options());
+#ifdef __AVX512BF16__
+  const auto* xs = x.data_ptr<at::BFloat16>();
+  const auto* w = packed.data_ptr<at::BFloat16>();
+  const at::BFloat16* b = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
+  auto* ys = y.data_ptr<at::BFloat16>();
+  const int64_t rows = x.size(0), x_stride = x.stride(0), pairs = packed.size(1), groups = packed.size(0);
+  at::parallel_for(0, groups, 8, [&](int64_t begin, int64_t end) {
+    switch (rows) {
+      case 0: break;
+      case 1: small_product_rows<1>(xs, x_stride, w, b, ys, out_features, pairs, out_features, begin, end); break;
+      case 2: small_product_rows<2>(xs, x_stride, w, b, ys, out_features, pairs, out_features, begin, end); break;
+      case 3: small_product_rows<3>(xs, x_stride, w, b, ys, out_features, pairs, out_features, begin, end); break;
+      case 4: small_product_rows<4>(xs, x_stride, w, b, ys, out_features, pairs, out_features, begin, end); break;
+      case 5: small_product_rows<5>(xs, x_stride, w, b, ys, out_features, pairs, out_features, begin, end); break;
+      case 6: small_product_rows<6>(xs, x_stride, w, b, ys, out_features, pairs, out_features, begin, end); break;
+      case 7: small_product_rows<7>(xs, x_stride, w, b, ys, out_features, pairs, out_features, begin, end); break;
+      default: small_product_rows<8>(xs, x_stride, w, b, ys, out_features, pairs, out_features, begin, end); break;
+    }
+  });
+#else
+  TORCH_CHECK(false, "the small-batch product needs AVX512_BF16");
+#endif
+  return y;
+}
+
+inline bool has_small_product() {
+#ifdef __AVX512BF16__
+  return true;
+#else
+  return false;
+#endif
+}
+
+// ---- the decoder stack of a decode step, in one call ----------------------------------
+//
+// A decode step (one new token per sequence) of a small model spends as long in
+// Python, between torch's ops, as in the products themselves: about forty calls a
+// layer. DecodeStack runs the same ops in the same order from C++ (the prepacked
+// products through oneDNN's linear, these kernels, and torch's silu, mul and add for
+// the activation), so its results are bit for bit the Python path's. The one change
+// of order: each layer's closing residual add is done by the next norm (`rms_norm`
+// with a residual rounds the sum as the add would), and the last by the final norm.
+
+// x times a prepacked weight (oneDNN's, or for at most kSmallRows rows `small`, where given).
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& small,
+                         const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  if (small.has_value() && x.size(0) <= kSmallRows) return small_product(x, *small, bias, out_features);
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                                         c10::string_view, c10::List<c10::optional<at::Scalar>>,
+                                         c10::optional<c10::string_view>)>();
+  return op.call(x, weight, bias, "none", c10::List<c10::optional<at::Scalar>>(), c10::string_view(""));
+}
+
+// The key and value rows [T, num_kv_heads, head_dim] (each token's heads side by side)
+// stored at their cache slots.
+void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping) {
+  const int64_t tokens = key.size(0), row_bytes = key.size(1) * key.size(2) * key.element_size();
+  const int64_t slot_bytes = k_cache.stride(1) * k_cache.element_size();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  char* k_base = static_cast<char*>(k_cache.data_ptr());
+  char* v_base = static_cast<char*>(v_cache.data_ptr());
+  const int64_t cache_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < cache_slots, "slot ", slots[t], " outside the cache");
+    std::memcpy(k_base + slots[t] * slot_bytes, static_cast<const char*>(key.data_ptr()) + t * key.stride(0) * key.element_size(), row_bytes);
+    std::memcpy(v_base + slots[t] * slot_bytes, static_cast<const char*>(value.data_ptr()) + t * value.stride(0) * value.element_size(), row_bytes);
+  }
+}
+
+struct DecodeStack {
+  // Per layer: input norm weight, then for qkv: weight, small-batch weight, bias; the same
+  // for o; the post-attention norm weight; the same three for gate_up and for down.
+  std::vector<std::vector<c10::optional<at::Tensor>>> layers;
+  at::Tensor final_norm;
+  double eps, scale;
+  int64_t num_heads, num_kv_heads, head_dim, intermediate;
+
+  DecodeStack(std::vector<std::vector<c10::optional<at::Tensor>>> layers, at::Tensor final_norm, double eps,
+              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double scale)
+      : layers(std::move(layers)), final_norm(std::move(final_norm)), eps(eps), scale(scale), num_heads(num_heads),
+        num_kv_heads(num_kv_heads), head_dim(head_dim), intermediate(intermediate) {
+    for (const auto& layer : this->layers) TORCH_CHECK(layer.size() == 14, "a layer takes 14 tensors");
+  }
+
+  // hidden [T, hidden] (the embedded tokens), cos/sin [T, head_dim], caches: each
+  // layer's key then value cache; returns the final norm's output [T, hidden].
+  at::Tensor forward(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
+                     std::vector<at::Tensor> caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                     const at::Tensor& seq_lens) const {
+    TORCH_CHECK(caches.size() == 2 * layers.size(), "two caches a layer");
+    TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous(), "slot_mapping: int64");
+    const int64_t tokens = hidden.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+    at::Tensor x = hidden, residual;
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const auto& w = layers[i];
+      at::Tensor normed;
+      if (i == 0) {
+        normed = rms_norm(x.contiguous(), *w[0], eps, c10::nullopt)[0];
+        residual = x;
+      } else {
+        auto both = rms_norm(x, *w[0], eps, residual);
+        normed = both[0];
+        residual = both[1];
+      }
+      at::Tensor qkv = packed_linear(normed, *w[1], w[2], w[3], q_size + 2 * kv_size);
+      at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim}).contiguous();
+      at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim}).contiguous();
+      at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
+      rotary(q, cos, sin);
+      rotary(k, cos, sin);
+      store_kv(k, v, caches[2 * i], caches[2 * i + 1], slot_mapping);
+      at::Tensor attended = paged_decode_attention(q, caches[2 * i], caches[2 * i + 1], block_tables, seq_lens, scale);
+      at::Tensor out = packed_linear(attended.view({tokens, q_size}), *w[4], w[5], w[6], hidden.size(1));
+      auto both = rms_norm(out, *w[7], eps, residual);
+      residual = both[1];
+      at::Tensor gate_up = packed_linear(both[0], *w[8], w[9], w[10], 2 * intermediate);
+      auto halves = gate_up.chunk(2, -1);
+      x = packed_linear(at::silu(halves[0]).mul_(halves[1]), *w[11], w[12], w[13], hidden.size(1));
+    }
+    return rms_norm(x, final_norm, eps, residual)[0];
+  }
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels run without the GIL, as torch's own ops do: the engine's event loop
   // keeps running while the model thread is in one.
@@ -620,5 +808,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("rotary", &rotary, "rotary embedding in place, rotate-half layout",
         py::call_guard<py::gil_scoped_release>());
+  py::class_<DecodeStack>(m, "DecodeStack")
+      .def(py::init<std::vector<std::vector<c10::optional<at::Tensor>>>, at::Tensor, double, int64_t, int64_t, int64_t,
+                    int64_t, double>())
+      .def("forward", &DecodeStack::forward, "the decoder stack of a decode step",
+           py::call_guard<py::gil_scoped_release>());
+  m.def("small_product", &small_product, "x [<= 8, K] times a small-batch packed weight",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("has_small_product", &has_small_product, "whether this CPU runs small_product");
+  m.attr("SMALL_ROWS") = kSmallRows;
+  m.attr("SMALL_COLUMNS") = kSmallColumns;
   m.def("argmax", &argmax, "torch.argmax(x, dim=-1) of rows", py::call_guard<py::gil_scoped_release>());
 }

@@ -96,6 +96,67 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return _kernels().argmax(logits.contiguous())
 
 
+class SmallBatch:
+    """The kernels' product of at most `rows` rows (`small_product`): bfloat16 weights
+    with an even number of inputs, laid out by `pack` as groups of SMALL_COLUMNS
+    outputs, each pair of inputs of a group side by side ([groups, K / 2,
+    SMALL_COLUMNS, 2]; the last group padded with zeros)."""
+
+    def __init__(self, module) -> None:
+        self.rows, self.columns = module.SMALL_ROWS, module.SMALL_COLUMNS
+        self.product = module.small_product
+
+    def fits(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        return (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0
+                and (bias is None or bias.dtype == torch.bfloat16))
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        out_features, in_features = weight.shape
+        groups = -(-out_features // self.columns)
+        padded = torch.nn.functional.pad(weight, (0, 0, 0, groups * self.columns - out_features))
+        return padded.view(groups, self.columns, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def small_batch() -> SmallBatch | None:
+    """The small-batch product where the kernels are built and this CPU runs it, else None."""
+    module = load()
+    if module is None or not module.has_small_product():
+        return None
+    return SmallBatch(module)
+
+
+def decode_stack(model):
+    """The kernels' `DecodeStack` for a packed `CausalLM` (`CausalLM.pack`): its decoder
+    layers' decode steps in one call, bit for bit the results of the layers' own
+    forward on this module's kernels. None where that path does not apply: the kernels
+    are not built, or a layer has query/key norms, unpacked products or another norm
+    epsilon."""
+    from .cpu_linear import PackedLinear
+
+    module = load()
+    if module is None or not hasattr(module, "DecodeStack"):
+        return None
+    stack = model.model
+    eps = stack.norm.eps
+    layers = []
+    for layer in stack.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        products = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if (attention.q_norm is not None or not all(isinstance(p, PackedLinear) for p in products)
+                or {layer.input_layernorm.eps, layer.post_attention_layernorm.eps} != {eps}):
+            return None
+        qkv, o, gate_up, down = products
+        layers.append([layer.input_layernorm.weight.detach(), *_product(qkv), *_product(o),
+                       layer.post_attention_layernorm.weight.detach(), *_product(gate_up), *_product(down)])
+    first = stack.layers[0].self_attn
+    return module.DecodeStack(layers, stack.norm.weight.detach(), eps, first.num_heads, first.num_kv_heads,
+                              first.head_dim, stack.layers[0].mlp.gate_up_proj.out_features // 2, first.scale)
+
+
+def _product(linear) -> list:
+    return [linear.packed_weight, linear.small_weight, linear.bias]
+
+
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for [T, I] tensors."""
     return torch.nn.functional.silu(gate).mul_(up)

@@ -35,30 +35,41 @@ def packing_available(dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b with W prepacked; the last dimension of x is the input features."""
+    """y = x W^T + b with W prepacked; the last dimension of x is the input features.
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    `small_batch` (`cpu_kernels.SmallBatch`, where its kernel runs here) adds a second
+    layout of W for products of at most `small_batch.rows` rows, which oneDNN's
+    blocking for large batches reads at two thirds of the memory's pace: the decode
+    steps of small batches. It costs a second copy of the weight.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, small_batch=None) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(),
                                                                      PACK_BATCH_HINT)
         self.bias = None if bias is None else bias.detach().clone()
+        self.small_batch = small_batch if small_batch is not None and small_batch.fits(weight, bias) else None
+        self.small_weight = None if self.small_batch is None else self.small_batch.pack(weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The product for x [..., in_features]."""
         rows = x.reshape(-1, self.in_features)
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
+        if self.small_batch is not None and rows.shape[0] <= self.small_batch.rows:
+            out = self.small_batch.product(rows.contiguous(), self.small_weight, self.bias, self.out_features)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], self.out_features)
 
 
-def merged(*linears: nn.Linear) -> PackedLinear:
+def merged(*linears: nn.Linear, small_batch=None) -> PackedLinear:
     """One packed product computing the outputs of `linears` side by side."""
     weight = torch.cat([linear.weight.detach() for linear in linears], dim=0)
     biases = [linear.bias for linear in linears]
     bias = None if biases[0] is None else torch.cat([b.detach() for b in biases], dim=0)
-    return PackedLinear(weight, bias)
+    return PackedLinear(weight, bias, small_batch)
 
 
-def packed(linear: nn.Linear) -> PackedLinear:
+def packed(linear: nn.Linear, small_batch=None) -> PackedLinear:
     """`linear` as a packed product."""
-    return PackedLinear(linear.weight, linear.bias)
+    return PackedLinear(linear.weight, linear.bias, small_batch)

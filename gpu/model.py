@@ -228,11 +228,20 @@ class DecoderStack(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        # The CPU kernels' decode-step stack (`cpu_kernels.decode_stack`), set with them.
+        self.decode_stack = None
 
     def forward(self, input_ids, positions, kv_caches: Sequence[KVCache], meta) -> torch.Tensor:
         """Final hidden states [T, hidden_size] of tokens input_ids [T] at positions [T]."""
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary_emb(positions, hidden.dtype)
+        num_tokens = hidden.shape[0]
+        if (self.decode_stack is not None and meta.num_decode_seqs == num_tokens
+                and kv_caches[0][0].dtype == hidden.dtype):
+            # A decode step: every layer in one call of the CPU kernels (the same results).
+            cos, sin = (table.view(num_tokens, -1) for table in rope)
+            return self.decode_stack.forward(hidden, cos, sin, [cache for pair in kv_caches for cache in pair],
+                                             meta.slot_mapping, meta.block_tables, meta.seq_lens)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, rope, kv_cache, meta)
         return self.norm(hidden)
@@ -281,6 +290,8 @@ class CausalLM(nn.Module):
                 from . import triton_fused  # needs triton; imported only when asked for
                 kernels = triton_fused
             fused = kernels
+        self.model.decode_stack = (kernels.decode_stack(self) if on and hasattr(kernels, "decode_stack")
+                                   else None)
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP)):
                 module.fused = fused
@@ -297,22 +308,25 @@ class CausalLM(nn.Module):
         return F.linear(hidden, weight).float()
 
     @torch.no_grad()
-    def pack(self) -> None:
+    def pack(self, small_batch=None) -> None:
         """Prepack every projection and the output head for oneDNN, merging q/k/v and
         gate/up into one product each (`cadence.gpu.cpu_linear`); CPU only, after the
-        weights are loaded. The plain projections are released."""
+        weights are loaded. The plain projections are released. `small_batch`, where
+        given, also lays each weight out for products of a few rows (see
+        `cpu_linear.PackedLinear`)."""
         from . import cpu_linear
 
         for layer in self.model.layers:
             attention, mlp = layer.self_attn, layer.mlp
-            attention.qkv_proj = cpu_linear.merged(attention.q_proj, attention.k_proj, attention.v_proj)
+            attention.qkv_proj = cpu_linear.merged(attention.q_proj, attention.k_proj, attention.v_proj,
+                                                   small_batch=small_batch)
             attention.q_proj = attention.k_proj = attention.v_proj = None
-            attention.o_proj = cpu_linear.packed(attention.o_proj)
-            mlp.gate_up_proj = cpu_linear.merged(mlp.gate_proj, mlp.up_proj)
+            attention.o_proj = cpu_linear.packed(attention.o_proj, small_batch=small_batch)
+            mlp.gate_up_proj = cpu_linear.merged(mlp.gate_proj, mlp.up_proj, small_batch=small_batch)
             mlp.gate_proj = mlp.up_proj = None
-            mlp.down_proj = cpu_linear.packed(mlp.down_proj)
+            mlp.down_proj = cpu_linear.packed(mlp.down_proj, small_batch=small_batch)
         head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
-        self.packed_head = cpu_linear.PackedLinear(head.weight, None)
+        self.packed_head = cpu_linear.PackedLinear(head.weight, None, small_batch=small_batch)
         self.lm_head = None
 
 

@@ -355,7 +355,7 @@ class ModelRunner:
         # and NaNs included, several times faster over a 32k vocabulary).
         self._argmax = _rows_argmax
         if self.cpu_path == "packed":
-            self.model.pack()
+            self.model.pack(small_batch=cpu_kernels.small_batch() if self.backend.name == "cpu" else None)
             if self.backend.name == "cpu":  # its kernels are built: the fused ones come with them
                 self.model.set_fused_elementwise(True, cpu_kernels)
                 self._argmax = cpu_kernels.argmax

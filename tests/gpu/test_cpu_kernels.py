@@ -231,3 +231,92 @@ def test_argmax_kernel_gives_torchs_index_with_ties_infinities_and_nans(kernel, 
     mixed[5, width // 3] = float("inf")
     for logits in (ties, mixed, mixed[:, : max(1, width - 1)]):
         assert torch.equal(cpu_kernels.argmax(logits), logits.argmax(dim=-1))
+
+
+# ---- small-batch products and the decode-step stack
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("out_features, in_features, with_bias", [(100, 48, True), (32, 768, False),
+                                                                    (1536, 64, True)])
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_small_batch_product_matches_the_reference(kernel, rows, out_features, in_features, with_bias, num_threads):
+    small = cpu_kernels.small_batch()
+    if small is None:
+        pytest.skip("this CPU has no AVX512_BF16: the small-batch product is not built")
+    generator = torch.Generator().manual_seed(rows * out_features)
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    bias = torch.randn(out_features, generator=generator).bfloat16() if with_bias else None
+    x = torch.randn(rows, in_features, generator=generator).bfloat16()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        got = small.product(x, small.pack(weight), bias, out_features)
+        linear = cpu_linear.PackedLinear(weight, bias, small_batch=small)
+        assert linear.small_weight is not None
+        through_linear, many = linear(x), linear(torch.cat([x] * 3))  # the small product, then oneDNN's
+    finally:
+        torch.set_num_threads(threads)
+    want = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    # Float32 sums of exact products, rounded once to bfloat16 (a relative 2^-8 at most).
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=8e-3)
+    assert torch.equal(through_linear, got)
+    torch.testing.assert_close(many.float(), torch.cat([want] * 3), atol=5e-2, rtol=2e-2)
+
+
+def _random_decode_step(config, dtype, num_seqs, seed=0):
+    """A decode step's inputs for `config`: random caches for every layer, the block
+    tables and lengths of `num_seqs` sequences, and the slots their new tokens take."""
+    generator = torch.Generator().manual_seed(seed)
+    block_size, width = 16, 5
+    num_blocks = num_seqs * width + 2
+    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    caches = [tuple(torch.randn(shape, generator=generator).to(dtype) for _ in range(2))
+              for _ in range(config.num_layers)]
+    tables = torch.randperm(num_blocks, generator=generator)[: num_seqs * width].view(num_seqs, width).to(torch.int32)
+    lens = torch.randint(1, block_size * width + 1, (num_seqs,), generator=generator, dtype=torch.int32)
+    positions = lens.long() - 1
+    slots = tables.long()[torch.arange(num_seqs), positions // block_size] * block_size + positions % block_size
+    meta = AttentionMetadata(slot_mapping=slots, query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32),
+                             seq_lens=lens, block_tables=tables, max_query_len=1, max_seq_len=int(lens.max()),
+                             num_decode_seqs=num_seqs)
+    input_ids = torch.randint(0, config.vocab_size, (num_seqs,), generator=generator)
+    return input_ids, positions, caches, meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_seqs", [1, 5, 12])
+def test_the_decode_stack_gives_the_layers_results_bit_for_bit(kernel, dtype, num_seqs):
+    """The C++ decode-step stack runs the layers' own ops in their order: the same final
+    hidden states and the same cache contents, exactly, for batches the small-batch
+    product takes and for larger ones."""
+    import attrs
+
+    config = attrs.evolve(preset("tiny"), qkv_bias=True)
+    model = build_model(config, get_attention_backend("cpu"), dtype, "cpu")
+    init_random_weights(model, seed=3)
+    model.pack(small_batch=cpu_kernels.small_batch())
+    model.set_fused_elementwise(True, cpu_kernels)
+    stack = model.model.decode_stack
+    assert stack is not None
+    input_ids, positions, caches, meta = _random_decode_step(config, dtype, num_seqs)
+    copies = [tuple(c.clone() for c in pair) for pair in caches]
+    with torch.no_grad():
+        got = model(input_ids, positions, caches, meta)
+        model.model.decode_stack = None
+        want = model(input_ids, positions, copies, meta)
+    assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for pair, copy in zip(caches, copies) for a, b in zip(pair, copy))
+
+
+def test_the_decode_stack_stays_off_where_it_does_not_apply(kernel):
+    import attrs
+
+    config = attrs.evolve(preset("tiny"), qk_norm=True)
+    model = build_model(config, get_attention_backend("cpu"), torch.float32, "cpu")
+    model.pack()
+    model.set_fused_elementwise(True, cpu_kernels)
+    assert model.model.decode_stack is None  # query/key norms: the layers run one by one
+    plain = build_model(preset("tiny"), get_attention_backend("cpu"), torch.float32, "cpu")
+    plain.set_fused_elementwise(True, cpu_kernels)
+    assert plain.model.decode_stack is None  # unpacked products
