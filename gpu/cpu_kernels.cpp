@@ -621,11 +621,44 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
 constexpr int64_t kSmallRows = 8;
 constexpr int64_t kSmallColumns = 32;
 
+#ifdef CADENCE_AVX512
+// Float32: each input of a group is one 128-byte run of its 32 outputs' weights.
+template <int kM>
+void small_product_rows(const float* x, int64_t x_stride, const float* weight, const float* bias, float* y,
+                        int64_t y_stride, int64_t inputs, int64_t out_features, int64_t first_group,
+                        int64_t last_group) {
+  for (int64_t g = first_group; g < last_group; ++g) {
+    __m512 sums[kM][2];
+    for (int m = 0; m < kM; ++m) sums[m][0] = sums[m][1] = _mm512_setzero_ps();
+    const float* group = weight + g * inputs * kSmallColumns;
+    for (int64_t k = 0; k < inputs; ++k) {
+      const __m512 low = _mm512_loadu_ps(group + k * kSmallColumns);
+      const __m512 high = _mm512_loadu_ps(group + k * kSmallColumns + 16);
+      for (int m = 0; m < kM; ++m) {
+        const __m512 value = _mm512_set1_ps(x[m * x_stride + k]);
+        sums[m][0] = _mm512_fmadd_ps(value, low, sums[m][0]);
+        sums[m][1] = _mm512_fmadd_ps(value, high, sums[m][1]);
+      }
+    }
+    for (int half = 0; half < 2; ++half) {
+      const int64_t first = g * kSmallColumns + half * 16;
+      if (first >= out_features) break;
+      const __mmask16 mask = out_features - first >= 16 ? __mmask16(0xffff)
+                                                        : __mmask16((1u << (out_features - first)) - 1u);
+      const __m512 shift = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + first) : _mm512_setzero_ps();
+      for (int m = 0; m < kM; ++m) _mm512_mask_storeu_ps(y + m * y_stride + first, mask, _mm512_add_ps(sums[m][half], shift));
+    }
+  }
+}
+#endif
+
 #ifdef __AVX512BF16__
+// Bfloat16: each pair of inputs of a group is one 128-byte run of its 32 outputs' two weights.
 template <int kM>
 void small_product_rows(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* weight,
-                        const at::BFloat16* bias, at::BFloat16* y, int64_t y_stride, int64_t pairs,
+                        const at::BFloat16* bias, at::BFloat16* y, int64_t y_stride, int64_t inputs,
                         int64_t out_features, int64_t first_group, int64_t last_group) {
+  const int64_t pairs = inputs / 2;
   for (int64_t g = first_group; g < last_group; ++g) {
     __m512 sums[kM][2];
     for (int m = 0; m < kM; ++m) sums[m][0] = sums[m][1] = _mm512_setzero_ps();
@@ -660,49 +693,67 @@ void small_product_rows(const at::BFloat16* x, int64_t x_stride, const at::BFloa
 }
 #endif
 
-// x [M, K] bfloat16 (M <= kSmallRows, contiguous rows) times the packed weight
-// [groups, K / 2, kSmallColumns, 2] of a [out_features, K] one, plus bias: [M, out_features].
-at::Tensor small_product(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                         int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(0) <= kSmallRows, "x must be [<= 8, K], rows contiguous");
-  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(2) == kSmallColumns && packed.size(3) == 2 &&
-              packed.size(1) * 2 == x.size(1) && packed.size(0) * kSmallColumns >= out_features,
-              "packed weight does not fit x");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "bfloat16 only");
-  TORCH_CHECK(!bias.has_value() || (bias->is_contiguous() && bias->numel() == out_features &&
-                                    bias->scalar_type() == at::kBFloat16), "bias must be [out_features] bfloat16");
-  auto y = torch::empty({x.size(0), out_features}, x.options());
-#ifdef __AVX512BF16__
-  const auto* xs = x.data_ptr<at::BFloat16>();
-  const auto* w = packed.data_ptr<at::BFloat16>();
-  const at::BFloat16* b = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
-  auto* ys = y.data_ptr<at::BFloat16>();
-  const int64_t rows = x.size(0), x_stride = x.stride(0), pairs = packed.size(1), groups = packed.size(0);
+template <typename scalar_t>
+void small_product_all(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                       at::Tensor& y, int64_t out_features) {
+#ifdef CADENCE_AVX512
+  const auto* xs = x.data_ptr<scalar_t>();
+  const auto* w = packed.data_ptr<scalar_t>();
+  const scalar_t* b = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
+  auto* ys = y.data_ptr<scalar_t>();
+  const int64_t rows = x.size(0), x_stride = x.stride(0), inputs = x.size(1), groups = packed.size(0);
   at::parallel_for(0, groups, 8, [&](int64_t begin, int64_t end) {
     switch (rows) {
       case 0: break;
-      case 1: small_product_rows<1>(xs, x_stride, w, b, ys, out_features, pairs, out_features, begin, end); break;
-      case 2: small_product_rows<2>(xs, x_stride, w, b, ys, out_features, pairs, out_features, begin, end); break;
-      case 3: small_product_rows<3>(xs, x_stride, w, b, ys, out_features, pairs, out_features, begin, end); break;
-      case 4: small_product_rows<4>(xs, x_stride, w, b, ys, out_features, pairs, out_features, begin, end); break;
-      case 5: small_product_rows<5>(xs, x_stride, w, b, ys, out_features, pairs, out_features, begin, end); break;
-      case 6: small_product_rows<6>(xs, x_stride, w, b, ys, out_features, pairs, out_features, begin, end); break;
-      case 7: small_product_rows<7>(xs, x_stride, w, b, ys, out_features, pairs, out_features, begin, end); break;
-      default: small_product_rows<8>(xs, x_stride, w, b, ys, out_features, pairs, out_features, begin, end); break;
+      case 1: small_product_rows<1>(xs, x_stride, w, b, ys, out_features, inputs, out_features, begin, end); break;
+      case 2: small_product_rows<2>(xs, x_stride, w, b, ys, out_features, inputs, out_features, begin, end); break;
+      case 3: small_product_rows<3>(xs, x_stride, w, b, ys, out_features, inputs, out_features, begin, end); break;
+      case 4: small_product_rows<4>(xs, x_stride, w, b, ys, out_features, inputs, out_features, begin, end); break;
+      case 5: small_product_rows<5>(xs, x_stride, w, b, ys, out_features, inputs, out_features, begin, end); break;
+      case 6: small_product_rows<6>(xs, x_stride, w, b, ys, out_features, inputs, out_features, begin, end); break;
+      case 7: small_product_rows<7>(xs, x_stride, w, b, ys, out_features, inputs, out_features, begin, end); break;
+      default: small_product_rows<8>(xs, x_stride, w, b, ys, out_features, inputs, out_features, begin, end); break;
     }
   });
-#else
-  TORCH_CHECK(false, "the small-batch product needs AVX512_BF16");
 #endif
+}
+
+// x [M, K] (M <= kSmallRows, contiguous rows) times the packed weight [groups, K / P,
+// kSmallColumns, P] of a [out_features, K] one (P = 2 in bfloat16, 1 in float32), plus bias.
+at::Tensor small_product(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(0) <= kSmallRows, "x must be [<= 8, K], rows contiguous");
+  TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "x and the weight must share a dtype");
+  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(2) == kSmallColumns &&
+              packed.size(1) * packed.size(3) == x.size(1) && packed.size(0) * kSmallColumns >= out_features,
+              "packed weight does not fit x");
+  TORCH_CHECK(!bias.has_value() || (bias->is_contiguous() && bias->numel() == out_features &&
+                                    bias->scalar_type() == x.scalar_type()), "bias must be [out_features] of x's dtype");
+  auto y = torch::empty({x.size(0), out_features}, x.options());
+  if (x.scalar_type() == at::kFloat) {
+    TORCH_CHECK(packed.size(3) == 1, "float32 weights are packed one input at a time");
+    small_product_all<float>(x, packed, bias, y, out_features);
+#ifdef __AVX512BF16__
+  } else if (x.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(packed.size(3) == 2, "bfloat16 weights are packed two inputs at a time");
+    small_product_all<at::BFloat16>(x, packed, bias, y, out_features);
+#endif
+  } else {
+    TORCH_CHECK(false, "the small-batch product takes float32 (and bfloat16 with AVX512_BF16)");
+  }
   return y;
 }
 
-inline bool has_small_product() {
-#ifdef __AVX512BF16__
-  return true;
-#else
-  return false;
+// The dtypes small_product takes on this CPU.
+std::vector<std::string> small_product_dtypes() {
+  std::vector<std::string> names;
+#ifdef CADENCE_AVX512
+  names.push_back("float32");
 #endif
+#ifdef __AVX512BF16__
+  names.push_back("bfloat16");
+#endif
+  return names;
 }
 
 // ---- the decoder stack of a decode step, in one call ----------------------------------
@@ -815,7 +866,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::call_guard<py::gil_scoped_release>());
   m.def("small_product", &small_product, "x [<= 8, K] times a small-batch packed weight",
         py::call_guard<py::gil_scoped_release>());
-  m.def("has_small_product", &has_small_product, "whether this CPU runs small_product");
+  m.def("small_product_dtypes", &small_product_dtypes, "the dtypes small_product takes on this CPU");
   m.attr("SMALL_ROWS") = kSmallRows;
   m.attr("SMALL_COLUMNS") = kSmallColumns;
   m.def("argmax", &argmax, "torch.argmax(x, dim=-1) of rows", py::call_guard<py::gil_scoped_release>());

@@ -97,30 +97,33 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 class SmallBatch:
-    """The kernels' product of at most `rows` rows (`small_product`): bfloat16 weights
-    with an even number of inputs, laid out by `pack` as groups of SMALL_COLUMNS
-    outputs, each pair of inputs of a group side by side ([groups, K / 2,
-    SMALL_COLUMNS, 2]; the last group padded with zeros)."""
+    """The kernels' product of at most `rows` rows (`small_product`), in `dtypes`: a
+    weight laid out by `pack` as groups of SMALL_COLUMNS outputs, each input of a group
+    (each pair of inputs in bfloat16) side by side ([groups, K / P, SMALL_COLUMNS, P]
+    with P = 2 in bfloat16 and 1 in float32; the last group padded with zeros)."""
 
     def __init__(self, module) -> None:
         self.rows, self.columns = module.SMALL_ROWS, module.SMALL_COLUMNS
+        self.dtypes = frozenset(getattr(torch, name) for name in module.small_product_dtypes())
         self.product = module.small_product
 
     def fits(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        return (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0
-                and (bias is None or bias.dtype == torch.bfloat16))
+        per_run = 2 if weight.dtype == torch.bfloat16 else 1
+        return (weight.dtype in self.dtypes and weight.shape[1] % per_run == 0
+                and (bias is None or bias.dtype == weight.dtype))
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         out_features, in_features = weight.shape
+        per_run = 2 if weight.dtype == torch.bfloat16 else 1
         groups = -(-out_features // self.columns)
         padded = torch.nn.functional.pad(weight, (0, 0, 0, groups * self.columns - out_features))
-        return padded.view(groups, self.columns, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
+        return padded.view(groups, self.columns, in_features // per_run, per_run).permute(0, 2, 1, 3).contiguous()
 
 
 def small_batch() -> SmallBatch | None:
     """The small-batch product where the kernels are built and this CPU runs it, else None."""
     module = load()
-    if module is None or not module.has_small_product():
+    if module is None or not module.small_product_dtypes():
         return None
     return SmallBatch(module)
 

@@ -236,18 +236,20 @@ def test_argmax_kernel_gives_torchs_index_with_ties_infinities_and_nans(kernel, 
 # ---- small-batch products and the decode-step stack
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("out_features, in_features, with_bias", [(100, 48, True), (32, 768, False),
                                                                     (1536, 64, True)])
 @pytest.mark.parametrize("num_threads", [1, 2])
-def test_small_batch_product_matches_the_reference(kernel, rows, out_features, in_features, with_bias, num_threads):
+def test_small_batch_product_matches_the_reference(kernel, dtype, rows, out_features, in_features, with_bias,
+                                                   num_threads):
     small = cpu_kernels.small_batch()
-    if small is None:
-        pytest.skip("this CPU has no AVX512_BF16: the small-batch product is not built")
+    if small is None or dtype not in small.dtypes:
+        pytest.skip(f"this CPU's kernels have no small-batch product in {dtype} (it needs AVX-512)")
     generator = torch.Generator().manual_seed(rows * out_features)
-    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
-    bias = torch.randn(out_features, generator=generator).bfloat16() if with_bias else None
-    x = torch.randn(rows, in_features, generator=generator).bfloat16()
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    bias = torch.randn(out_features, generator=generator).to(dtype) if with_bias else None
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
     threads = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
@@ -257,9 +259,10 @@ def test_small_batch_product_matches_the_reference(kernel, rows, out_features, i
         through_linear, many = linear(x), linear(torch.cat([x] * 3))  # the small product, then oneDNN's
     finally:
         torch.set_num_threads(threads)
-    want = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    want = F.linear(x.double(), weight.double(), None if bias is None else bias.double()).float()
     # Float32 sums of exact products, rounded once to bfloat16 (a relative 2^-8 at most).
-    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=8e-3)
+    tolerance = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=8e-3)
+    torch.testing.assert_close(got.float(), want, **tolerance)
     assert torch.equal(through_linear, got)
     torch.testing.assert_close(many.float(), torch.cat([want] * 3), atol=5e-2, rtol=2e-2)
 
