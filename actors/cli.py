@@ -230,9 +230,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("check", help="run the formal checks of cadence.spec (arguments pass through)",
                    add_help=False)
+    sub.add_parser("build-kernels", help="compile the CPU path's C++ kernels now (once per machine)",
+                   description="Compile the CPU path's C++ kernels (cadence/gpu/cpu_kernels.cpp) into "
+                               "torch's extension cache, as the first large model on this machine "
+                               "would; small models (the demo model) use them only once built. "
+                               "Needs a C++ compiler and ninja; exits 1 saying why if it cannot.")
     server.add_serve_parser(sub)
     bench.add_bench_parser(sub)
     return parser
+
+
+def _build_kernels() -> int:
+    from cadence.gpu import cpu_kernels
+
+    if cpu_kernels.load() is None:
+        print(f"cadence build-kernels: {cpu_kernels.unavailable_reason()}", file=sys.stderr)
+        return 1
+    print(f"cadence build-kernels: built {cpu_kernels.build_name()}")
+    return 0
 
 
 def _is_following_rank() -> bool:
@@ -253,6 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("serve", "bench"):
         return args.func(args)
+    if args.command == "build-kernels":
+        return _build_kernels()
     try:
         if args.command == "demo":
             run_demo(DemoConfig(num_requests=args.requests, min_prompt_len=args.min_prompt_len,

@@ -69,6 +69,20 @@ def load():
         return _state["module"]
 
 
+def is_built() -> bool:
+    """Whether `load` would find the extension compiled already (this process loaded
+    it, or an earlier one built it into torch's extension directory)."""
+    if "module" in _state:
+        return True
+    try:
+        from torch.utils import cpp_extension
+
+        name = build_name()
+        return (Path(cpp_extension._get_build_directory(name, False)) / f"{name}.so").is_file()
+    except Exception:  # noqa: BLE001 - no build directory, or a torch without it: not built
+        return False
+
+
 def unavailable_reason() -> str | None:
     """Why `load` returned None, or None if it has not failed."""
     return _state.get("error")

@@ -211,12 +211,13 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 def default_attention_backend(device: torch.device, config: ModelConfig | None = None) -> str:
     """On CPU "cpu" (the in-place decode kernel) where it builds, except for small models
-    (under SMALL_MODEL_MACS per token, such as the demo model), whose steps are cheap
-    enough that "sdpa" serves them without building the kernels on a fresh machine (a
-    30-80 s compile before the first token); on CUDA "triton" (the paged kernels, with
-    decode graphs) where triton imports, else "sdpa"."""
+    (under SMALL_MODEL_MACS per token, such as the demo model) on a machine that has not
+    built the kernels yet: their steps are cheap enough that "sdpa" serves them without
+    a 30-80 s compile before the first token (once built, by any larger model or
+    `cadence build-kernels`, they run a small model's decode steps 3-8x faster); on
+    CUDA "triton" (the paged kernels, with decode graphs) where triton imports, else "sdpa"."""
     if device.type == "cpu":
-        if config is not None and macs_per_token(config) < SMALL_MODEL_MACS:
+        if config is not None and macs_per_token(config) < SMALL_MODEL_MACS and not cpu_kernels.is_built():
             return "sdpa"
         return "cpu" if cpu_kernels.load() is not None else "sdpa"
     if device.type != "cuda":

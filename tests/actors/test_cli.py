@@ -98,6 +98,17 @@ def test_help_everywhere(capsys):
         assert "usage: cadence" in capsys.readouterr().out
 
 
+def test_build_kernels_builds_them_or_says_why_not(capsys, monkeypatch):
+    from cadence.gpu import cpu_kernels
+
+    status, out, _ = run(capsys, "build-kernels")
+    assert status == 0 and cpu_kernels.build_name() in out and cpu_kernels.is_built()
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "unavailable_reason", lambda: "RuntimeError: no compiler")
+    status, _, err = run(capsys, "build-kernels")
+    assert status == 1 and "no compiler" in err
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--version"])

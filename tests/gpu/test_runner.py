@@ -271,10 +271,16 @@ def test_cpu_cache_starts_zeroed_and_each_layer_writes_its_own_memory():
 def test_cpu_runs_its_decode_kernel_and_packed_products_by_default(monkeypatch):
     from cadence.gpu import runner as runner_module
 
+    from cadence.gpu import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "is_built", lambda: False)  # a machine that never built them
     small = ModelRunner(preset("tiny"), num_blocks=4, block_size=BLOCK_SIZE, device="cpu")
     assert small.backend.name == "sdpa" and small.cpu_path == "packed"  # no kernel build for it
     attention = small.model.model.layers[0].self_attn
     assert attention.q_proj is None and attention.qkv_proj is not None and attention.fused is None
+    monkeypatch.setattr(cpu_kernels, "is_built", lambda: True)  # built once: the small model takes them
+    built = ModelRunner(preset("tiny"), num_blocks=4, block_size=BLOCK_SIZE, device="cpu")
+    assert built.backend.name == "cpu" and built.model.model.decode_stack is not None
     monkeypatch.setattr(runner_module, "SMALL_MODEL_MACS", 0)  # the same shape counted as large
     large = ModelRunner(preset("tiny"), num_blocks=4, block_size=BLOCK_SIZE, device="cpu")
     assert large.backend.name == "cpu" and large.model.model.layers[0].self_attn.fused is not None
