@@ -452,10 +452,12 @@ std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, doubl
 // place by the angles of cos/sin [tokens, head_dim] (rotate-half layout: dimension i
 // pairs with i + head_dim / 2), rounding as torch's x * cos + rotate_half(x) * sin does.
 template <typename scalar_t>
-void rotate_rows(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+void rotate_rows(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& out) {
   const int64_t tokens = x.size(0), heads = x.size(1), half = x.size(2) / 2;
   const int64_t stride_token = x.stride(0), stride_head = x.stride(1);
-  scalar_t* base = x.data_ptr<scalar_t>();
+  const int64_t out_token = out.stride(0), out_head = out.stride(1);
+  const scalar_t* base = x.data_ptr<scalar_t>();
+  scalar_t* out_base = out.data_ptr<scalar_t>();
   const scalar_t* c = cos.data_ptr<scalar_t>();
   const scalar_t* s = sin.data_ptr<scalar_t>();
   const int64_t table = cos.stride(0);
@@ -464,8 +466,9 @@ void rotate_rows(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor
       const scalar_t* ct = c + t * table;
       const scalar_t* st = s + t * table;
       for (int64_t h = 0; h < heads; ++h) {
-        scalar_t* row = base + t * stride_token + h * stride_head;
-        // The halves are apart: no iteration reads what another writes.
+        const scalar_t* row = base + t * stride_token + h * stride_head;
+        scalar_t* to = out_base + t * out_token + h * out_head;
+        // Each output element depends on its own inputs only (the row may be the output).
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
           const float a = to_float(row[i]), b = to_float(row[i + half]);
@@ -473,24 +476,39 @@ void rotate_rows(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor
                                                stored<scalar_t>(-b * to_float(st[i])));
           const float second = stored<scalar_t>(stored<scalar_t>(b * to_float(ct[i + half])) +
                                                 stored<scalar_t>(a * to_float(st[i + half])));
-          row[i] = exact<scalar_t>(first);
-          row[i + half] = exact<scalar_t>(second);
+          to[i] = exact<scalar_t>(first);
+          to[i + half] = exact<scalar_t>(second);
         }
       }
     }
   });
 }
 
-void rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+void check_rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary needs x [tokens, heads, head_dim], last dim contiguous");
   TORCH_CHECK(cos.dim() == 2 && cos.stride(1) == 1 && cos.sizes() == sin.sizes() && cos.strides() == sin.strides(),
               "cos and sin must be [tokens, head_dim]");
   TORCH_CHECK(cos.size(0) == x.size(0) && cos.size(1) == x.size(2), "cos and sin must match x");
   TORCH_CHECK(x.scalar_type() == cos.scalar_type() && cos.scalar_type() == sin.scalar_type(),
               "x, cos and sin must share a dtype");
+}
+
+// Rotate x in place.
+void rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  check_rotary(x, cos, sin);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, x.scalar_type(), "rotary", [&] {
-    rotate_rows<scalar_t>(x, cos, sin);
+    rotate_rows<scalar_t>(x, cos, sin, x);
   });
+}
+
+// x rotated, as a new contiguous tensor (x, a view of a wider row, is left as it is).
+torch::Tensor rotated(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  check_rotary(x, cos, sin);
+  auto out = torch::empty(x.sizes(), x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, x.scalar_type(), "rotated", [&] {
+    rotate_rows<scalar_t>(x, cos, sin, out);
+  });
+  return out;
 }
 
 inline bool is_nan_bits(float x) {
@@ -761,10 +779,10 @@ std::vector<std::string> small_product_dtypes() {
 // A decode step (one new token per sequence) of a small model spends as long in
 // Python, between torch's ops, as in the products themselves: about forty calls a
 // layer. DecodeStack runs the same ops in the same order from C++ (the prepacked
-// products through oneDNN's linear, these kernels, and torch's silu, mul and add for
-// the activation), so its results are bit for bit the Python path's. The one change
-// of order: each layer's closing residual add is done by the next norm (`rms_norm`
-// with a residual rounds the sum as the add would), and the last by the final norm.
+// products, through oneDNN's linear or `small_product`, these kernels, and torch's
+// silu and mul), so its results are bit for bit the Python path's. The one change of order: each layer's
+// closing residual add is done by the next norm (`rms_norm` with a residual rounds
+// the sum as torch's add would), and the last by the final norm.
 
 // x times a prepacked weight (oneDNN's, or for at most kSmallRows rows `small`, where given).
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& small,
@@ -831,11 +849,9 @@ struct DecodeStack {
         residual = both[1];
       }
       at::Tensor qkv = packed_linear(normed, *w[1], w[2], w[3], q_size + 2 * kv_size);
-      at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim}).contiguous();
-      at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim}).contiguous();
+      at::Tensor q = rotated(qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim}), cos, sin);
+      at::Tensor k = rotated(qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim}), cos, sin);
       at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
-      rotary(q, cos, sin);
-      rotary(k, cos, sin);
       store_kv(k, v, caches[2 * i], caches[2 * i + 1], slot_mapping);
       at::Tensor attended = paged_decode_attention(q, caches[2 * i], caches[2 * i + 1], block_tables, seq_lens, scale);
       at::Tensor out = packed_linear(attended.view({tokens, q_size}), *w[4], w[5], w[6], hidden.size(1));
@@ -858,6 +874,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("rotary", &rotary, "rotary embedding in place, rotate-half layout",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rotated", &rotated, "rotary embedding into a new contiguous tensor",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("store_kv", &store_kv, "key and value rows stored at their cache slots",
         py::call_guard<py::gil_scoped_release>());
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<std::vector<std::vector<c10::optional<at::Tensor>>>, at::Tensor, double, int64_t, int64_t, int64_t,

@@ -44,8 +44,12 @@ def _cpu_flags() -> str:
 
 
 def build_name() -> str:
-    """The extension's name: the source and the CPU's flags decide it (-march=native)."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + _cpu_flags().encode()).hexdigest()[:12]
+    """The extension's name: the source, where it lies and the CPU's flags decide it
+    (-march=native). Where it lies, because the build files name the source's path: two
+    copies of one source (a checkout and an installed wheel) sharing a name would each
+    find the other's build stale and rebuild it."""
+    key = SOURCE.read_bytes() + str(SOURCE.resolve()).encode() + _cpu_flags().encode()
+    digest = hashlib.sha256(key).hexdigest()[:12]
     return f"cadence_cpu_kernels_{digest}"
 
 
@@ -189,9 +193,10 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
     if q_norm_weight is not None:
         q = kernels.rms_norm(q.contiguous(), q_norm_weight, eps, None)[0]
         k = kernels.rms_norm(k.contiguous(), k_norm_weight, eps, None)[0]
-    q, k = q.contiguous(), k.contiguous()
     cos, sin = cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1)
-    kernels.rotary(q, cos, sin)
-    kernels.rotary(k, cos, sin)
-    write_kv(k_cache, v_cache, k, v, slot_mapping)
+    q, k = kernels.rotated(q, cos, sin), kernels.rotated(k, cos, sin)
+    if k_cache.dtype == k.dtype and v.stride(1) == v.shape[2] and v.stride(2) == 1 and k_cache.is_contiguous():
+        kernels.store_kv(k, v, k_cache, v_cache, slot_mapping.long())
+    else:
+        write_kv(k_cache, v_cache, k, v, slot_mapping)
     return q

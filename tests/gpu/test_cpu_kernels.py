@@ -110,10 +110,15 @@ def test_cpu_backend_mixes_kernel_decodes_with_sdpa_prefills():
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
-def test_the_kernel_build_is_keyed_by_source_and_cpu(monkeypatch):
+def test_the_kernel_build_is_keyed_by_source_and_cpu(monkeypatch, tmp_path):
     name = cpu_kernels.build_name()
     monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags : fpu sse2")
     assert cpu_kernels.build_name() != name and cpu_kernels.build_name().startswith("cadence_cpu_kernels_")
+    monkeypatch.undo()
+    copy = tmp_path / "cpu_kernels.cpp"  # the same source elsewhere (another install) builds apart
+    copy.write_bytes(cpu_kernels.SOURCE.read_bytes())
+    monkeypatch.setattr(cpu_kernels, "SOURCE", copy)
+    assert cpu_kernels.build_name() != name
 
 
 # ---- prepacked products
@@ -323,3 +328,26 @@ def test_the_decode_stack_stays_off_where_it_does_not_apply(kernel):
     plain = build_model(preset("tiny"), get_attention_backend("cpu"), torch.float32, "cpu")
     plain.set_fused_elementwise(True, cpu_kernels)
     assert plain.model.decode_stack is None  # unpacked products
+
+
+def test_rotated_leaves_its_input_and_store_kv_writes_as_write_kv(kernel):
+    """The prologue's out-of-place rotation of a strided view equals the in-place one on a
+    copy (and leaves the view's row alone); the kernels' cache store equals `write_kv`."""
+    from cadence.gpu.attention import write_kv
+    from cadence.gpu.model import RotaryEmbedding
+
+    generator = torch.Generator().manual_seed(21)
+    qkv = torch.randn(9, (3 + 1 + 1) * 32, generator=generator).bfloat16()
+    before = qkv.clone()
+    k, v = (t.view(9, 1, 32) for t in qkv[:, 96:].split(32, dim=-1))
+    q = qkv[:, :96].view(9, 3, 32)
+    cos, sin = (t.view(9, 32) for t in RotaryEmbedding(32, 10000.0, None)(torch.arange(9), torch.bfloat16))
+    got = kernel.rotated(q, cos, sin)
+    want = q.contiguous()
+    kernel.rotary(want, cos, sin)
+    assert torch.equal(got, want) and got.is_contiguous() and torch.equal(qkv, before)
+    slots = torch.tensor([3, 17, 0, 8, 30, 12, 5, 21, 9])
+    caches = [torch.zeros(4, 8, 1, 32, dtype=torch.bfloat16) for _ in range(4)]
+    kernel.store_kv(k, v, caches[0], caches[1], slots)
+    write_kv(caches[2], caches[3], k, v, slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3]) and caches[0].any()
