@@ -190,14 +190,19 @@ def cpu_paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Same result as the reference: decodes through the CPU kernel that reads the cache
-    blocks in place (`cadence.gpu.cpu_kernels`), prefills as in `sdpa_paged_attention`.
-    Where the kernel cannot be built, exactly `sdpa_paged_attention`."""
+    """Same result as the reference, reading the cache blocks in place
+    (`cadence.gpu.cpu_kernels`): decodes and prefills in one kernel where it takes the
+    query's dtype and head size (AVX-512; float32 or bfloat16, heads of 32-256), else
+    decodes through the portable decode kernel and prefills as in `sdpa_paged_attention`.
+    Where the kernels cannot be built, exactly `sdpa_paged_attention`."""
     from . import cpu_kernels
 
     kernel = cpu_kernels.load()
     if kernel is None or query.device.type != "cpu":
         return sdpa_paged_attention(query, k_cache, v_cache, meta, scale)
+    if kernel.has_paged_attention(query):  # decodes and prefills in one pass over the blocks
+        return kernel.paged_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                      meta.query_start_loc, scale)
 
     def decodes(query, k_cache, v_cache, meta, layout, scale):
         num = meta.num_decode_seqs

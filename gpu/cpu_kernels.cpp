@@ -238,25 +238,60 @@ inline void accumulate(const scalar_t* cache, const int64_t* slots, int64_t head
   }
 }
 
-// kVecs = head_dim / 16 float vectors a row; kRows query rows accumulated at once.
+// What one task of `attention_avx512` covers: a sequence, its KV heads [first_kv,
+// first_kv + num_heads), and its query tokens [first_token, first_token + num_tokens)
+// (indices within the sequence's query).
+struct AttentionTask {
+  int64_t seq, first_kv, num_heads, first_token, num_tokens;
+};
+
+// Query tokens of a prefill scored together: each key read serves them all.
+constexpr int64_t kQueryTile = 16;
+
+// Attention of each query row over its sequence's cached context up to its own
+// position, causally: the step's decodes (one token each) and prefill chunks alike.
+// query [N, H, D] holds sequence s's tokens at rows [query_start[s], query_start[s + 1]),
+// the last of them at position seq_lens[s] - 1. kVecs = head_dim / 16 float vectors a
+// row; kRows query rows accumulated at once.
 template <typename scalar_t, int kVecs>
-void decode_attention_avx512(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                           const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
-                           torch::Tensor& out) {
+void attention_avx512(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                      const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                      const torch::Tensor& query_start, double scale, torch::Tensor& out) {
   using L = Lanes<scalar_t, kVecs>;
   constexpr int kQuery = L::kQuery;
   constexpr int kRows = kVecs >= 16 ? 1 : std::min(8, 16 / kVecs);
   const DecodeLayout<scalar_t> shape(query, k_cache, v_cache, block_tables, seq_lens, out);
+  const int64_t num_seqs = seq_lens.size(0), group = shape.group, head_dim = shape.head_dim;
+  const int32_t* starts = query_start.data_ptr<int32_t>();
   const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
+  // Decodes as in the decode kernel (whole sequences a task when there are enough);
+  // prefills a KV head and a tile of tokens a task.
+  std::vector<AttentionTask> tasks;
+  const bool all_decodes = query.size(0) == num_seqs;
+  const int64_t decode_heads = all_decodes ? shape.heads_per_task : 1;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t num_tokens = starts[seq + 1] - starts[seq];
+    const int64_t heads = num_tokens == 1 ? decode_heads : 1;
+    for (int64_t kv = 0; kv < shape.num_kv_heads; kv += heads) {
+      for (int64_t t = 0; t < num_tokens; t += kQueryTile) {
+        tasks.push_back({seq, kv, heads, t, std::min(kQueryTile, num_tokens - t)});
+      }
+    }
+  }
 
-  at::parallel_for(0, shape.num_seqs * shape.tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
-    const int64_t rows = shape.heads_per_task * shape.group;
-    std::vector<typename L::Query> q(rows * kQuery);
-    std::vector<float> acc(rows * shape.head_dim), scores;
-    std::vector<int64_t> slots;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / shape.tasks_per_seq, first_kv = (task % shape.tasks_per_seq) * shape.heads_per_task;
-      const int64_t len = shape.lens[seq];
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<typename L::Query> q;
+    std::vector<float> acc, scores;
+    std::vector<int64_t> slots, limits;
+    for (int64_t index = begin; index < end; ++index) {
+      const AttentionTask& task = tasks[index];
+      const int64_t seq = task.seq, first_kv = task.first_kv, tile = task.num_tokens;
+      const int64_t q_len = starts[seq + 1] - starts[seq];
+      // Row r = (h * tile + t) * group + g: head first_kv + h, token first_token + t,
+      // query head g of the KV head's group; it sees positions [0, limits[r]).
+      const int64_t rows = task.num_heads * tile * group;
+      const int64_t first_position = shape.lens[seq] - q_len + task.first_token;
+      const int64_t len = first_position + tile;  // the last row's limit
       const int32_t* table = shape.tables + seq * shape.table_width;
       // Where each position's slot (its first KV head of this task) lies in a cache.
       slots.resize(len);
@@ -265,22 +300,32 @@ void decode_attention_avx512(const torch::Tensor& query, const torch::Tensor& k_
         for (int64_t i = 0, n = std::min(shape.block_size, len - start); i < n; ++i) slots[start + i] = base + i * shape.kv_stride_slot;
       }
       auto slot = [&](const scalar_t* cache, int64_t pos) { return cache + slots[pos]; };
+      const int64_t task_bytes = ((task.num_heads - 1) * shape.kv_stride_head + head_dim) * sizeof(scalar_t);
       auto prefetch = [&](const scalar_t* cache, int64_t pos) {
         const char* first = reinterpret_cast<const char*>(slot(cache, pos));
-        for (int64_t offset = 0; offset < shape.task_bytes; offset += kCacheLine) __builtin_prefetch(first + offset);
+        for (int64_t offset = 0; offset < task_bytes; offset += kCacheLine) __builtin_prefetch(first + offset);
       };
-      for (int64_t r = 0; r < rows; ++r) {
-        const scalar_t* src = shape.q_ptr + seq * shape.q_stride_seq + (first_kv * shape.group + r) * shape.q_stride_head;
-        for (int c = 0; c < kQuery; ++c) q[r * kQuery + c] = L::query(src, c);
+      q.resize(rows * kQuery);
+      limits.resize(rows);
+      for (int64_t h = 0; h < task.num_heads; ++h) {
+        for (int64_t t = 0; t < tile; ++t) {
+          const int64_t token = starts[seq] + task.first_token + t;
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t r = (h * tile + t) * group + g;
+            const scalar_t* src = shape.q_ptr + token * shape.q_stride_seq + ((first_kv + h) * group + g) * shape.q_stride_head;
+            for (int c = 0; c < kQuery; ++c) q[r * kQuery + c] = L::query(src, c);
+            limits[r] = first_position + t + 1;
+          }
+        }
       }
+      const int64_t head_rows = tile * group;
       scores.resize(rows * len + kTile);
       // Scores, a tile of positions at a time (a partial tile one position at a time).
       int64_t pos = 0;
       for (; pos + kTile <= len; pos += kTile) {
         for (int64_t p = pos + 2 * kTile; p < std::min(len, pos + 3 * kTile); ++p) prefetch(shape.k_ptr, p);
-        for (int64_t h = 0; h < shape.heads_per_task; ++h) {
-          for (int64_t g = 0; g < shape.group; ++g) {
-            const int64_t r = h * shape.group + g;
+        for (int64_t h = 0; h < task.num_heads; ++h) {
+          for (int64_t r = h * head_rows; r < (h + 1) * head_rows; ++r) {
             __m512 dots[kTile];
             for (int64_t p = 0; p < kTile; ++p) {
               const scalar_t* key = slot(shape.k_ptr, pos + p) + h * shape.kv_stride_head;
@@ -291,51 +336,61 @@ void decode_attention_avx512(const torch::Tensor& query, const torch::Tensor& k_
         }
       }
       for (; pos < len; ++pos) {
-        for (int64_t h = 0; h < shape.heads_per_task; ++h) {
+        for (int64_t h = 0; h < task.num_heads; ++h) {
           const scalar_t* key = slot(shape.k_ptr, pos) + h * shape.kv_stride_head;
-          for (int64_t g = 0; g < shape.group; ++g) {
-            const int64_t r = h * shape.group + g;
+          for (int64_t r = h * head_rows; r < (h + 1) * head_rows; ++r) {
             scores[r * len + pos] = _mm512_reduce_add_ps(L::dot(q.data() + r * kQuery, key)) * static_cast<float>(scale);
           }
         }
       }
+      // Each row's softmax over the positions it sees; the rest weigh nothing.
       for (int64_t r = 0; r < rows; ++r) {
         float* s = scores.data() + r * len;
-        const float peak = *std::max_element(s, s + len);
+        const int64_t seen = limits[r];
+        const float peak = *std::max_element(s, s + seen);
         float total = 0.0f;
-        for (int64_t p = 0; p < len; ++p) {
+        for (int64_t p = 0; p < seen; ++p) {
           s[p] = std::exp(s[p] - peak);
           total += s[p];
         }
         const float inverse = 1.0f / total;
-        for (int64_t p = 0; p < len; ++p) s[p] *= inverse;
+        for (int64_t p = 0; p < seen; ++p) s[p] *= inverse;
+        std::fill(s + seen, s + len, 0.0f);
       }
       // Values: rows of one KV head kRows at a time, in registers over a tile of positions.
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t tile = 0; tile < len; tile += kTile) {
-        const int64_t tile_end = std::min(len, tile + kTile);
-        for (int64_t p = tile + 2 * kTile; p < std::min(len, tile + 3 * kTile); ++p) prefetch(shape.v_ptr, p);
-        for (int64_t h = 0; h < shape.heads_per_task; ++h) {
-          for (int64_t g0 = 0; g0 < shape.group; g0 += kRows) {
-            const int64_t r0 = h * shape.group + g0;
+      acc.assign(rows * head_dim, 0.0f);
+      for (int64_t first = 0; first < len; first += kTile) {
+        const int64_t last = std::min(len, first + kTile);
+        for (int64_t p = first + 2 * kTile; p < std::min(len, first + 3 * kTile); ++p) prefetch(shape.v_ptr, p);
+        for (int64_t h = 0; h < task.num_heads; ++h) {
+          for (int64_t r0 = h * head_rows; r0 < (h + 1) * head_rows; r0 += kRows) {
+            // Rows whose positions all lie before this tile take nothing from it.
+            if (limits[std::min(r0 + kRows, (h + 1) * head_rows) - 1] <= first) continue;
             const float* weights = scores.data() + r0 * len;
-            float* sums = acc.data() + r0 * shape.head_dim;
-            switch (std::min<int64_t>(kRows, shape.group - g0)) {
-              case 1: accumulate<scalar_t, kVecs, 1>(shape.v_ptr, slots.data(), h * shape.kv_stride_head, tile, tile_end, weights, len, sums); break;
-              case 2: accumulate<scalar_t, kVecs, 2>(shape.v_ptr, slots.data(), h * shape.kv_stride_head, tile, tile_end, weights, len, sums); break;
-              case 3: accumulate<scalar_t, kVecs, 3>(shape.v_ptr, slots.data(), h * shape.kv_stride_head, tile, tile_end, weights, len, sums); break;
-              case 4: accumulate<scalar_t, kVecs, 4>(shape.v_ptr, slots.data(), h * shape.kv_stride_head, tile, tile_end, weights, len, sums); break;
-              case 5: accumulate<scalar_t, kVecs, 5>(shape.v_ptr, slots.data(), h * shape.kv_stride_head, tile, tile_end, weights, len, sums); break;
-              case 6: accumulate<scalar_t, kVecs, 6>(shape.v_ptr, slots.data(), h * shape.kv_stride_head, tile, tile_end, weights, len, sums); break;
-              case 7: accumulate<scalar_t, kVecs, 7>(shape.v_ptr, slots.data(), h * shape.kv_stride_head, tile, tile_end, weights, len, sums); break;
-              default: accumulate<scalar_t, kVecs, 8>(shape.v_ptr, slots.data(), h * shape.kv_stride_head, tile, tile_end, weights, len, sums); break;
+            float* sums = acc.data() + r0 * head_dim;
+            const int64_t offset = h * shape.kv_stride_head;
+            switch (std::min<int64_t>(kRows, (h + 1) * head_rows - r0)) {
+              case 1: accumulate<scalar_t, kVecs, 1>(shape.v_ptr, slots.data(), offset, first, last, weights, len, sums); break;
+              case 2: accumulate<scalar_t, kVecs, 2>(shape.v_ptr, slots.data(), offset, first, last, weights, len, sums); break;
+              case 3: accumulate<scalar_t, kVecs, 3>(shape.v_ptr, slots.data(), offset, first, last, weights, len, sums); break;
+              case 4: accumulate<scalar_t, kVecs, 4>(shape.v_ptr, slots.data(), offset, first, last, weights, len, sums); break;
+              case 5: accumulate<scalar_t, kVecs, 5>(shape.v_ptr, slots.data(), offset, first, last, weights, len, sums); break;
+              case 6: accumulate<scalar_t, kVecs, 6>(shape.v_ptr, slots.data(), offset, first, last, weights, len, sums); break;
+              case 7: accumulate<scalar_t, kVecs, 7>(shape.v_ptr, slots.data(), offset, first, last, weights, len, sums); break;
+              default: accumulate<scalar_t, kVecs, 8>(shape.v_ptr, slots.data(), offset, first, last, weights, len, sums); break;
             }
           }
         }
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        scalar_t* o = shape.out_ptr + seq * out.stride(0) + (first_kv * shape.group + r) * out.stride(1);
-        for (int c = 0; c < kVecs; ++c) L::store(o, c, _mm512_loadu_ps(acc.data() + r * shape.head_dim + 16 * c));
+      for (int64_t h = 0; h < task.num_heads; ++h) {
+        for (int64_t t = 0; t < tile; ++t) {
+          const int64_t token = starts[seq] + task.first_token + t;
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t r = (h * tile + t) * group + g;
+            scalar_t* o = shape.out_ptr + token * out.stride(0) + ((first_kv + h) * group + g) * out.stride(1);
+            for (int c = 0; c < kVecs; ++c) L::store(o, c, _mm512_loadu_ps(acc.data() + r * head_dim + 16 * c));
+          }
+        }
       }
     }
   });
@@ -343,15 +398,15 @@ void decode_attention_avx512(const torch::Tensor& query, const torch::Tensor& k_
 
 // The vector kernel for this element type and head size, or nullptr (the portable one runs).
 using AttentionFn = void (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                             const torch::Tensor&, double, torch::Tensor&);
+                             const torch::Tensor&, const torch::Tensor&, double, torch::Tensor&);
 template <typename scalar_t>
 AttentionFn vector_kernel_for(int64_t head_dim) {
   switch (head_dim) {
-    case 32: return &decode_attention_avx512<scalar_t, 2>;
-    case 64: return &decode_attention_avx512<scalar_t, 4>;
-    case 96: return &decode_attention_avx512<scalar_t, 6>;
-    case 128: return &decode_attention_avx512<scalar_t, 8>;
-    case 256: return &decode_attention_avx512<scalar_t, 16>;
+    case 32: return &attention_avx512<scalar_t, 2>;
+    case 64: return &attention_avx512<scalar_t, 4>;
+    case 96: return &attention_avx512<scalar_t, 6>;
+    case 128: return &attention_avx512<scalar_t, 8>;
+    case 256: return &attention_avx512<scalar_t, 16>;
     default: return nullptr;
   }
 }
@@ -598,11 +653,8 @@ torch::Tensor argmax(torch::Tensor x) {
   return out;
 }
 
-// query [num_seqs, num_heads, head_dim] (one token per sequence); caches
-// [num_blocks, block_size, num_kv_heads, head_dim]; block_tables [num_seqs, width]
-// int32; seq_lens [num_seqs] int32, each >= 1. Returns [num_seqs, num_heads, head_dim].
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+void check_attention(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                     const torch::Tensor& block_tables, const torch::Tensor& seq_lens) {
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "bad ranks");
   TORCH_CHECK(query.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               "head dimension must be contiguous");
@@ -612,12 +664,21 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
               "block_tables and seq_lens must be int32");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+}
+
+// query [num_seqs, num_heads, head_dim] (one token per sequence); caches
+// [num_blocks, block_size, num_kv_heads, head_dim]; block_tables [num_seqs, width]
+// int32; seq_lens [num_seqs] int32, each >= 1. Returns [num_seqs, num_heads, head_dim].
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+  check_attention(query, k_cache, v_cache, block_tables, seq_lens);
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   auto out = torch::empty_like(query);
 #ifdef CADENCE_AVX512
   if (AttentionFn fast = vector_kernel_for(query.scalar_type(), query.size(2))) {
-    fast(query, k_cache, v_cache, tables, lens, scale, out);
+    auto starts = torch::arange(query.size(0) + 1, lens.options());
+    fast(query, k_cache, v_cache, tables, lens, starts, scale, out);
     return out;
   }
 #endif
@@ -625,6 +686,43 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
                                   "paged_decode_attention", [&] {
     decode_attention<scalar_t>(query, k_cache, v_cache, tables, lens, scale, out);
   });
+  return out;
+}
+
+// Whether `paged_attention` takes a query like this one (its dtype and head size) here.
+bool has_paged_attention(const torch::Tensor& query) {
+#ifdef CADENCE_AVX512
+  return vector_kernel_for(query.scalar_type(), query.size(-1)) != nullptr;
+#else
+  return false;
+#endif
+}
+
+// Causal attention of a step's query tokens over their sequences' caches, decodes and
+// prefill chunks alike: sequence s's tokens are rows [query_start[s], query_start[s + 1])
+// of query [N, num_heads, head_dim], the last at position seq_lens[s] - 1 (its earlier
+// positions, cached or new, are in the cache already). query_start [num_seqs + 1] int32.
+torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start,
+                              double scale) {
+  check_attention(query, k_cache, v_cache, block_tables, seq_lens);
+  TORCH_CHECK(query_start.scalar_type() == torch::kInt32 && query_start.numel() == seq_lens.numel() + 1,
+              "query_start must be int32 [num_seqs + 1]");
+  auto out = torch::empty_like(query);
+#ifdef CADENCE_AVX512
+  if (AttentionFn fast = vector_kernel_for(query.scalar_type(), query.size(2))) {
+    auto starts = query_start.contiguous();
+    const int32_t* s = starts.data_ptr<int32_t>();
+    const int32_t* lens = seq_lens.contiguous().data_ptr<int32_t>();
+    TORCH_CHECK(s[0] == 0 && s[seq_lens.numel()] == query.size(0), "query_start must cover the query rows");
+    for (int64_t i = 0; i < seq_lens.numel(); ++i) {
+      TORCH_CHECK(s[i + 1] > s[i] && lens[i] >= s[i + 1] - s[i], "sequence ", i, " has no query or too short a context");
+    }
+    fast(query, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), starts, scale, out);
+    return out;
+  }
+#endif
+  TORCH_CHECK(false, "paged_attention has no kernel for this dtype and head size here (has_paged_attention)");
   return out;
 }
 
@@ -870,6 +968,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // keeps running while the model thread is in one.
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache",
         py::call_guard<py::gil_scoped_release>());
+  m.def("paged_attention", &paged_attention, "causal attention of decodes and prefills over a paged KV cache",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("has_paged_attention", &has_paged_attention, "whether paged_attention takes this dtype and head size");
   m.def("rms_norm", &rms_norm, "RMSNorm of rows, optionally of residual + x",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none(),
         py::call_guard<py::gil_scoped_release>());

@@ -110,6 +110,39 @@ def test_cpu_backend_mixes_kernel_decodes_with_sdpa_prefills():
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size, num_kv_heads, group, head_dim", [(16, 2, 3, 64), (5, 1, 4, 128), (8, 4, 1, 32)])
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_one_kernel_attends_decodes_and_prefills_as_the_reference(kernel, dtype, block_size, num_kv_heads, group,
+                                                                  head_dim, num_threads):
+    """Decodes, a fresh prefill longer than a tile of query tokens, a prefill chunk after
+    cached context and a one-token chunk, in one call: the reference's answer."""
+    generator = torch.Generator().manual_seed(block_size * head_dim)
+    q_lens, seq_lens = [1, 1, 37, 20, 1, 16], [9, 1, 37, 61, 30, 16]
+    width = -(-max(seq_lens) // block_size)
+    num_blocks = len(q_lens) * width + 2
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = (torch.randn(shape, generator=generator).to(dtype) for _ in range(2))
+    tables = torch.randperm(num_blocks, generator=generator)[: len(q_lens) * width].view(len(q_lens), width)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    query = torch.randn(sum(q_lens), num_kv_heads * group, head_dim, generator=generator).to(dtype)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64), query_start_loc=starts,
+                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables.to(torch.int32),
+                             max_query_len=max(q_lens), max_seq_len=max(seq_lens), num_decode_seqs=2)
+    assert kernel.has_paged_attention(query)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        got = cpu_paged_attention(query, k_cache, v_cache, meta, 0.2)
+    finally:
+        torch.set_num_threads(threads)
+    want = reference_paged_attention(query, k_cache, v_cache, meta, 0.2)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    with pytest.raises(RuntimeError, match="too short a context"):
+        kernel.paged_attention(query, k_cache, v_cache, meta.block_tables, torch.tensor([9, 1, 30, 61, 30, 16],
+                               dtype=torch.int32), starts, 0.2)
+
+
 def test_the_kernel_build_is_keyed_by_source_and_cpu(monkeypatch, tmp_path):
     name = cpu_kernels.build_name()
     monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags : fpu sse2")
