@@ -294,9 +294,10 @@ def canonical_key(h: Harness, horizon: int, counter_cap: float = float("inf"),
 # (statistics, the step counter, the caller's clock).
 _COVERED = frozenset({
     "config", "cache_config", "policy", "blocks", "requests", "running", "step_id", "now_s",
-    "collector", "num_resume_hit_tokens", "_watermark_blocks", "_predicted_watermark_blocks", "_finished_ids", "_events",
-    "_inflight", "_deadline_of", "_checker", "_queue_version", "_failed_admission",
-    "_num_arrivals", "_admission_cut", "_min_need", "_early", "_lost"})
+    "collector", "num_resume_hit_tokens", "_watermark_blocks", "_predicted_watermark_blocks",
+    "_thrash_watermark_blocks", "_finished_ids", "_events", "_inflight", "_deadline_of",
+    "_checker", "_queue_version", "_failed_admission", "_num_arrivals", "_admission_cut",
+    "_min_need", "_early", "_lost"})
 
 
 def _scheduler_extra(s, pos: dict[str, int] | None = None) -> tuple:

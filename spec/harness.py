@@ -296,7 +296,8 @@ _EVENT_NAMES = {
 # Scheduler attributes `clone_scheduler` copies by hand; any other attribute
 # (one the core may gain later) falls back to `copy.deepcopy`.
 _SHARED = frozenset({"config", "cache_config", "step_id", "now_s", "num_resume_hit_tokens",
-                     "_watermark_blocks", "_predicted_watermark_blocks", "_checker"})
+                     "_watermark_blocks", "_predicted_watermark_blocks", "_thrash_watermark_blocks",
+                     "_checker"})
 _HANDLED = _SHARED | {"policy", "blocks", "requests", "running", "collector", "_finished_ids",
                       "_events", "_inflight", "_deadline_of", "_early", "_lost"}
 

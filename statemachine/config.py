@@ -179,8 +179,13 @@ class SchedulerConfig:
         predicted ends are in force, and another such preemption came at most
         this many steps before, the predictions are running short (requests
         outlive them, one preemption after another): admission keeps the
-        declared-limit margins until this many steps pass without another. A
+        thrash margins below until this many steps pass without another. A
         lone preemption changes nothing. 0: always the predicted margins.
+      thrash_watermark, thrash_growth_share: `admission_watermark` and
+        `admission_growth_share` while the thrash window holds (by default the
+        same). The projection still runs to predicted ends, which have just
+        proved short, so these keep a margin beyond it whatever the declared-limit
+        margins are.
 
     Overlap
       async_scheduling: a running request whose sampled token is still in flight
@@ -233,6 +238,8 @@ class SchedulerConfig:
     predicted_watermark: float = attrs.field(default=0.0025, validator=_fraction)
     predicted_growth_share: float = attrs.field(default=0.8, validator=_share)
     thrash_window_steps: int = attrs.field(default=16, validator=_at_least(0))
+    thrash_watermark: float = attrs.field(default=0.01, validator=_fraction)
+    thrash_growth_share: float = attrs.field(default=0.95, validator=_share)
     async_scheduling: bool = False
     schedule_interval_us: int = attrs.field(default=0, validator=_at_least(0))
     debug_checks: bool = False

@@ -67,6 +67,7 @@ class Scheduler:
         self.num_resume_hit_tokens = 0
         self._watermark_blocks = int(config.admission_watermark * cache.num_blocks)
         self._predicted_watermark_blocks = int(config.predicted_watermark * cache.num_blocks)
+        self._thrash_watermark_blocks = int(config.thrash_watermark * cache.num_blocks)
         self._finished_ids: list[str] = []
         self._events: list[RequestEvent] = []
         self._inflight: dict[int, StepPlan] = {}
@@ -92,9 +93,9 @@ class Scheduler:
         # (and arrivals since): with fewer free beyond the watermark, nothing fits.
         self._min_need = 0
         # Steps of the last growth preemption under predicted ends, and the step
-        # until which admission keeps the declared margins (see thrash_window_steps).
+        # until which admission keeps the thrash margins (see thrash_window_steps).
         self._last_growth_preemption: int | None = None
-        self._declared_margins_until = 0
+        self._thrash_margins_until = 0
         # What admission projects each running request will still generate.
         self.lengths = (OutputLengthEstimator(config.length_estimate_window,
                                               config.length_estimate_min_samples,
@@ -830,24 +831,26 @@ class Scheduler:
 
     def _margins(self) -> tuple[float, int]:
         """The share of projected growth admission holds back, and the watermark
-        (the fewest blocks it leaves free while requests run): the predicted-end
-        margins once early stops are learnt, the declared-limit ones before and
-        while growth preemptions come in quick succession."""
+        (the fewest blocks it leaves free while requests run): the declared-limit
+        margins until early stops are learnt, then the predicted-end ones, or
+        the thrash ones while growth preemptions come in quick succession."""
         lengths = self.lengths
-        if lengths is not None and lengths.learnt and self.step_id > self._declared_margins_until:
+        if lengths is None or not lengths.learnt:
+            return self.config.admission_growth_share, self._watermark_blocks
+        if self.step_id > self._thrash_margins_until:
             return self.config.predicted_growth_share, self._predicted_watermark_blocks
-        return self.config.admission_growth_share, self._watermark_blocks
+        return self.config.thrash_growth_share, self._thrash_watermark_blocks
 
     def _note_growth_preemption(self) -> None:
         """A running request's growth preempted one. Under predicted ends, a second
         within `thrash_window_steps` of the last (in an earlier step) keeps the
-        declared margins for that many steps: the predictions are falling short."""
+        thrash margins for that many steps: the predictions are falling short."""
         lengths, window = self.lengths, self.config.thrash_window_steps
         if lengths is None or not lengths.learnt or not window:
             return
         step, last = self.step_id, self._last_growth_preemption
         if last is not None and last != step and step - last <= window:
-            self._declared_margins_until = step + window
+            self._thrash_margins_until = step + window
         self._last_growth_preemption = step
 
     def _admission_reserve(self, growth: float) -> int:

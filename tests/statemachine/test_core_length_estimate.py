@@ -210,17 +210,17 @@ def test_the_smaller_predicted_watermark_admits_more_once_lengths_are_learnt():
 
 
 def _drive_recording_hold(s, arrivals, eos_after, steps):
-    """`drive`, also returning per step whether the declared margins were held."""
+    """`drive`, also returning per step whether the thrash margins were held."""
     plans, held = [], []
     for t in range(steps):
         plans.append(drive_step(s, arrivals, eos_after, t))
-        held.append(s._declared_margins_until > 0)
+        held.append(s._thrash_margins_until > 0)
     return plans, held
 
 
 THRASH = dict(num_blocks=24, block_size=4, max_num_seqs=8, max_model_len=48,
               admission_headroom_steps=16, length_estimate_min_samples=2,
-              length_estimate_window=8, predicted_watermark=0.0, admission_watermark=0.2)
+              length_estimate_window=8, predicted_watermark=0.0, thrash_watermark=0.2)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -241,10 +241,10 @@ def test_the_thrash_window_changes_no_decision_before_preemptions_repeat(seed):
     assert not on.has_work() and not off.has_work()
 
 
-def test_repeated_growth_preemptions_keep_the_declared_margins():
-    """Two growth preemptions within the window hold the declared margins for the
+def test_repeated_growth_preemptions_keep_the_thrash_margins():
+    """Two growth preemptions within the window hold the thrash margins for the
     window's steps; a lone one, or one in the same step, changes nothing."""
-    s = make_scheduler(num_blocks=100, admission_watermark=0.2, predicted_watermark=0.0,
+    s = make_scheduler(num_blocks=100, thrash_watermark=0.2, predicted_watermark=0.0,
                        predicted_growth_share=0.5, length_estimate_min_samples=2,
                        thrash_window_steps=10)
     s.lengths.observe(3, at_limit=False)
@@ -260,7 +260,7 @@ def test_repeated_growth_preemptions_keep_the_declared_margins():
     assert s._margins()[1] == 0
     s.step_id = 40
     s._note_growth_preemption()  # 9 steps later: inside it
-    assert s._margins() == (s.config.admission_growth_share, 20)
+    assert s._margins() == (s.config.thrash_growth_share, 20)
     s.step_id = 50
     assert s._margins()[1] == 20
     s.step_id = 51
@@ -275,4 +275,44 @@ def test_the_thrash_window_does_nothing_with_exact_max_tokens():
     for step in (1, 2, 3):
         s.step_id = step
         s._note_growth_preemption()
-    assert s._last_growth_preemption is None and s._declared_margins_until == 0
+    assert s._last_growth_preemption is None and s._thrash_margins_until == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_thrash_margins_change_no_decision_outside_the_thrash_window(seed):
+    """Generous limits with EOS, memory short: schedulers that differ only in the
+    thrash margins plan alike up to the first step the thrash window holds."""
+    strict = make_scheduler(thrash_window_steps=8, **THRASH)
+    loose = make_scheduler(thrash_window_steps=8, **{**THRASH, "thrash_watermark": 0.0,
+                                                     "thrash_growth_share": 0.5})
+    plans_strict, held = _drive_recording_hold(strict, *workload(seed, eos=True), 150)
+    plans_loose, _ = _drive_recording_hold(loose, *workload(seed, eos=True), 150)
+    first = next((i for i, (a, b) in enumerate(zip(plans_strict, plans_loose)) if a != b), None)
+    assert first is not None, "the trace never made the thrash window hold"
+    assert any(held[:first]), f"plans differ at step {first} outside the thrash window"
+    # What they are for: the margin beyond predictions that proved short preempts less.
+    assert strict.collector.num_preemptions < loose.collector.num_preemptions
+    assert not strict.has_work() and not loose.has_work()
+
+
+def test_the_thrash_margins_are_their_own():
+    """Declared-limit margins set to the whole projection and no watermark leave
+    the thrash margins (by default a 1% watermark and 95% of the projection) in
+    force once the predictions have proved short: lowering one does not undo the
+    other."""
+    from cadence.statemachine.config import CacheConfig, SchedulerConfig
+    from cadence.statemachine.scheduler import Scheduler
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+                                  admission_watermark=0.0, admission_growth_share=1.0,
+                                  length_estimate_min_samples=2, thrash_window_steps=10),
+                  CacheConfig(num_blocks=400, block_size=4))
+    s.add_request(make_request("running", 4, max_tokens=40))
+    s.schedule(0.0)
+    assert s._admission_reserve(0.0) == 0 and s._admission_reserve(30.2) == 31
+    s.lengths.observe(3, at_limit=False)
+    s.lengths.observe(5, at_limit=False)
+    s.step_id = 20
+    s._note_growth_preemption()
+    s.step_id = 25
+    s._note_growth_preemption()  # within the window: the thrash margins hold
+    assert s._admission_reserve(0.0) == 4 and s._admission_reserve(30.0) == 29
