@@ -37,6 +37,19 @@ inline float to_float(at::BFloat16 x) {
 }
 inline float to_float(at::Half x) { return static_cast<float>(x); }
 
+// The softmax of s[0, seen) in place, in float32; s[seen, len) weighs nothing.
+inline void softmax_row(float* s, int64_t seen, int64_t len) {
+  const float peak = *std::max_element(s, s + seen);
+  float total = 0.0f;
+  for (int64_t p = 0; p < seen; ++p) {
+    s[p] = std::exp(s[p] - peak);
+    total += s[p];
+  }
+  const float inverse = 1.0f / total;
+  for (int64_t p = 0; p < seen; ++p) s[p] *= inverse;
+  std::fill(s + seen, s + len, 0.0f);
+}
+
 template <typename scalar_t>
 inline void load_row(const scalar_t* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
@@ -114,17 +127,7 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, 
           }
         }
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        float* s = scores.data() + r * len;
-        const float peak = *std::max_element(s, s + len);
-        float total = 0.0f;
-        for (int64_t pos = 0; pos < len; ++pos) {
-          s[pos] = std::exp(s[pos] - peak);
-          total += s[pos];
-        }
-        const float inverse = 1.0f / total;
-        for (int64_t pos = 0; pos < len; ++pos) s[pos] *= inverse;
-      }
+      for (int64_t r = 0; r < rows; ++r) softmax_row(scores.data() + r * len, len, len);
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t pos = 0; pos < len; ++pos) {
         const scalar_t* slot = slot_at(shape.v_ptr, pos);
@@ -344,19 +347,7 @@ void attention_avx512(const torch::Tensor& query, const torch::Tensor& k_cache, 
         }
       }
       // Each row's softmax over the positions it sees; the rest weigh nothing.
-      for (int64_t r = 0; r < rows; ++r) {
-        float* s = scores.data() + r * len;
-        const int64_t seen = limits[r];
-        const float peak = *std::max_element(s, s + seen);
-        float total = 0.0f;
-        for (int64_t p = 0; p < seen; ++p) {
-          s[p] = std::exp(s[p] - peak);
-          total += s[p];
-        }
-        const float inverse = 1.0f / total;
-        for (int64_t p = 0; p < seen; ++p) s[p] *= inverse;
-        std::fill(s + seen, s + len, 0.0f);
-      }
+      for (int64_t r = 0; r < rows; ++r) softmax_row(scores.data() + r * len, limits[r], len);
       // Values: rows of one KV head kRows at a time, in registers over a tile of positions.
       acc.assign(rows * head_dim, 0.0f);
       for (int64_t first = 0; first < len; first += kTile) {

@@ -223,6 +223,16 @@ THRASH = dict(num_blocks=24, block_size=4, max_num_seqs=8, max_model_len=48,
               length_estimate_window=8, predicted_watermark=0.0, thrash_watermark=0.2)
 
 
+def _assert_alike_until_the_window_holds(first_scheduler, other, seed: int) -> None:
+    """Drive both on the seed's generous workload: their plans differ somewhere, and
+    only after the first scheduler's thrash window has held."""
+    plans, held = _drive_recording_hold(first_scheduler, *workload(seed, eos=True), 150)
+    other_plans, _ = _drive_recording_hold(other, *workload(seed, eos=True), 150)
+    first = next((i for i, (a, b) in enumerate(zip(plans, other_plans)) if a != b), None)
+    assert first is not None, "the trace never made the thrash window hold"
+    assert any(held[:first]), f"plans differ at step {first} before the thrash window held"
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_the_thrash_window_changes_no_decision_before_preemptions_repeat(seed):
     """Generous limits with EOS, memory short: the plans with the thrash window
@@ -231,11 +241,7 @@ def test_the_thrash_window_changes_no_decision_before_preemptions_repeat(seed):
     preemptions."""
     on = make_scheduler(thrash_window_steps=8, **THRASH)
     off = make_scheduler(thrash_window_steps=0, **THRASH)
-    plans_on, held = _drive_recording_hold(on, *workload(seed, eos=True), 150)
-    plans_off, _ = _drive_recording_hold(off, *workload(seed, eos=True), 150)
-    first = next((i for i, (a, b) in enumerate(zip(plans_on, plans_off)) if a != b), None)
-    assert first is not None, "the trace never made the rule fire"
-    assert any(held[:first]), f"plans differ at step {first} before the rule fired"
+    _assert_alike_until_the_window_holds(on, off, seed)
     # What it is for: fewer preemptions, every request finished.
     assert on.collector.num_preemptions < off.collector.num_preemptions
     assert not on.has_work() and not off.has_work()
@@ -285,11 +291,7 @@ def test_the_thrash_margins_change_no_decision_outside_the_thrash_window(seed):
     strict = make_scheduler(thrash_window_steps=8, **THRASH)
     loose = make_scheduler(thrash_window_steps=8, **{**THRASH, "thrash_watermark": 0.0,
                                                      "thrash_growth_share": 0.5})
-    plans_strict, held = _drive_recording_hold(strict, *workload(seed, eos=True), 150)
-    plans_loose, _ = _drive_recording_hold(loose, *workload(seed, eos=True), 150)
-    first = next((i for i, (a, b) in enumerate(zip(plans_strict, plans_loose)) if a != b), None)
-    assert first is not None, "the trace never made the thrash window hold"
-    assert any(held[:first]), f"plans differ at step {first} outside the thrash window"
+    _assert_alike_until_the_window_holds(strict, loose, seed)
     # What they are for: the margin beyond predictions that proved short preempts less.
     assert strict.collector.num_preemptions < loose.collector.num_preemptions
     assert not strict.has_work() and not loose.has_work()
