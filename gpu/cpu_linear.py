@@ -27,6 +27,19 @@ from torch import nn
 PACK_BATCH_HINT = 64
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
+# The bytes of one product's output that stay in the cache for the ops that read it
+# next. A long prefill's MLP runs a slice of rows at a time, so that its [rows, 2 x
+# intermediate] product is not written out to memory and read back: measured on the
+# 125M benchmark model (intermediate 2048), one thread, 4,096 and 8,192 rows, slices
+# of this size made the MLP 15-24% faster in bfloat16 and 18-20% in float32, with the
+# same values.
+CACHED_OUTPUT_BYTES = 4 << 20
+
+
+def rows_in_cache(out_features: int, dtype: torch.dtype) -> int:
+    """Rows of a product with `out_features` outputs of `dtype` per slice (at least 64)."""
+    return max(64, CACHED_OUTPUT_BYTES // (out_features * torch.empty((), dtype=dtype).element_size()))
+
 
 def packing_available(dtype: torch.dtype) -> bool:
     """Whether this torch build can prepack weights of `dtype` for oneDNN."""

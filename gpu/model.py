@@ -189,15 +189,26 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, **linear)
         self.fused = None  # the triton_fused module when fused, else None
         self.gate_up_proj = None  # gate and up as one packed product once `CausalLM.pack` ran
+        # Rows of a packed product at a time (`CausalLM.pack` sets it from the sizes).
+        self.chunk_rows = 1 << 62
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the feed-forward block."""
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate).mul_(up))
+            rows = self.chunk_rows
+            if x.dim() == 2 and x.shape[0] > rows:
+                # A long prefill a slice of rows at a time: each slice's [rows, 2 x
+                # intermediate] product stays in the cache for silu, mul and the down
+                # projection (the same values: every row's products are its own).
+                return torch.cat([self._packed(part) for part in x.split(rows)])
+            return self._packed(x)
         if self.fused is not None:
             return self.down_proj(self.fused.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def _packed(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -325,6 +336,8 @@ class CausalLM(nn.Module):
             mlp.gate_up_proj = cpu_linear.merged(mlp.gate_proj, mlp.up_proj, small_batch=small_batch)
             mlp.gate_proj = mlp.up_proj = None
             mlp.down_proj = cpu_linear.packed(mlp.down_proj, small_batch=small_batch)
+            mlp.chunk_rows = cpu_linear.rows_in_cache(2 * self.config.intermediate_size,
+                                                     mlp.down_proj.packed_weight.dtype)
         head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
         self.packed_head = cpu_linear.PackedLinear(head.weight, None, small_batch=small_batch)
         self.lm_head = None

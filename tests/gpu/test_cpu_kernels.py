@@ -198,6 +198,30 @@ def test_packing_a_model_keeps_its_outputs_and_releases_the_plain_weights(kind):
     assert not any(part in name for name in names for part in ("q_proj", "gate_proj", "lm_head"))
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_long_prefill_runs_the_packed_mlp_in_slices_with_the_same_values(dtype):
+    config = preset("tiny")
+    model = build_model(config, get_attention_backend("reference"), dtype, "cpu")
+    init_random_weights(model, seed=3)
+    model.pack()
+    mlp = model.model.layers[0].mlp
+    # pack sizes the slices so one slice's gate/up product fills CACHED_OUTPUT_BYTES.
+    assert mlp.chunk_rows == cpu_linear.rows_in_cache(2 * config.intermediate_size, dtype)
+    assert cpu_linear.rows_in_cache(4096, torch.bfloat16) == 512
+    assert cpu_linear.rows_in_cache(4096, torch.float32) == 256
+    assert cpu_linear.rows_in_cache(1 << 20, torch.float32) == 64
+    hidden = torch.randn(37, config.hidden_size, generator=torch.Generator().manual_seed(2)).to(dtype)
+    whole = mlp(hidden)
+    calls = []
+    product = mlp.gate_up_proj.forward
+    mlp.gate_up_proj.forward = lambda x: calls.append(x.shape[0]) or product(x)
+    mlp.chunk_rows = 8
+    sliced = mlp(hidden)
+    assert calls == [8, 8, 8, 8, 5]
+    assert torch.equal(sliced, whole)
+
+
 # ---- fused elementwise kernels: the same roundings as torch's unfused ops
 
 
