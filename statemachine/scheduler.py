@@ -770,10 +770,7 @@ class Scheduler:
 
         def rank(r: Request) -> tuple[bool, int]:
             hits = len(find(r))
-            # A request coming back finds its own retained blocks, not a shared
-            # prefix: it keeps its place in policy order.
-            shared = hits if r.first_scheduled_s is None else 0
-            return (bool(computing) and self._shares_computing(r, hits, computing), -shared)
+            return (bool(computing) and self._shares_computing(r, hits, computing), -hits)
 
         group.sort(key=rank)
         ahead.extend(reversed(group[1:]))
