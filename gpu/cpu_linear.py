@@ -38,7 +38,7 @@ CACHED_OUTPUT_BYTES = 4 << 20
 
 def rows_in_cache(out_features: int, dtype: torch.dtype) -> int:
     """Rows of a product with `out_features` outputs of `dtype` per slice (at least 64)."""
-    return max(64, CACHED_OUTPUT_BYTES // (out_features * torch.empty((), dtype=dtype).element_size()))
+    return max(64, CACHED_OUTPUT_BYTES // (out_features * dtype.itemsize))
 
 
 def packing_available(dtype: torch.dtype) -> bool:

@@ -189,14 +189,14 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, **linear)
         self.fused = None  # the triton_fused module when fused, else None
         self.gate_up_proj = None  # gate and up as one packed product once `CausalLM.pack` ran
-        # Rows of a packed product at a time (`CausalLM.pack` sets it from the sizes).
-        self.chunk_rows = 1 << 62
+        # Rows of the packed products at a time (`CausalLM.pack` sets it from the sizes).
+        self.chunk_rows: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the feed-forward block."""
         if self.gate_up_proj is not None:
             rows = self.chunk_rows
-            if x.dim() == 2 and x.shape[0] > rows:
+            if rows is not None and x.dim() == 2 and x.shape[0] > rows:
                 # A long prefill a slice of rows at a time: each slice's [rows, 2 x
                 # intermediate] product stays in the cache for silu, mul and the down
                 # projection (the same values: every row's products are its own).

@@ -198,7 +198,6 @@ def test_packing_a_model_keeps_its_outputs_and_releases_the_plain_weights(kind):
     assert not any(part in name for name in names for part in ("q_proj", "gate_proj", "lm_head"))
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_long_prefill_runs_the_packed_mlp_in_slices_with_the_same_values(dtype):
     config = preset("tiny")
