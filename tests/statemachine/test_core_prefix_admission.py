@@ -139,3 +139,30 @@ def test_fair_ties_are_one_tenant_and_one_arrival_time():
     s.add_request(make_request("z", SHARED + [2], max_tokens=1, arrival_s=2.0, tenant="a"))
     _, events = run_until_idle(s, start_s=3.0)
     assert first_admissions(events) == ["early", "z", "x", "other"]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "fair"])
+@pytest.mark.parametrize("seed", range(8))
+def test_a_resumed_request_keeps_its_place_among_ties(policy, seed):
+    """Unique prompts, everyone arriving at once, memory short of every seat's
+    growth: preempted requests come back to find their own retained blocks, and
+    the tie lookahead does not rank them by those (they are no shared prefix),
+    so every plan is the same with or without it. Ranked by them, a resumed
+    request would overtake an earlier arrival that is waiting for room."""
+    def plans(lookahead: int) -> list:
+        rng = random.Random(seed)
+        s = make_scheduler(policy, num_blocks=28, block_size=4, max_num_seqs=6,
+                           admission_watermark=0.0, admission_growth_share=0.0,
+                           admission_headroom_steps=0, prefix_tie_lookahead=lookahead)
+        for i in range(16):
+            s.add_request(make_request(f"r{i}", rng.randint(8, 24), max_tokens=rng.randint(8, 30),
+                                       priority=rng.randint(0, 1), tenant=rng.choice("ab"),
+                                       arrival_s=0.0, ignore_eos=True))
+        out = []
+        for t in range(600):
+            plan, _ = step(s, float(t))
+            out.append((dict(plan.num_scheduled_tokens), list(plan.preempted_ids)))
+        assert not s.has_work() and s.stats().num_preemptions > 0
+        assert s.blocks.num_hit_tokens == 0 and s.num_resume_hit_tokens > 0
+        return out
+    assert plans(8) == plans(1)
