@@ -58,6 +58,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "host's work overlaps the model's (a stop token then costs one more "
                             "computed token, never emitted)")
     group.add_argument("--seed", type=int, default=0, help="executor seed")
+    group.add_argument("--trace-path", default=None, metavar="PATH",
+                       help="write every request event (add, admit, tokens, finish, ...) as JSON "
+                            "lines to this file (format: cadence.actors.trace)")
     group.add_argument("--max-stop-strings", type=int, default=DEFAULT_MAX_STOP_STRINGS,
                        help="stop strings one request may carry "
                             f"(default: {DEFAULT_MAX_STOP_STRINGS})")
@@ -141,7 +144,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         async_scheduling=args.async_scheduling,
         max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
-        prefix_cache_sharing=args.prefix_cache_sharing,
+        prefix_cache_sharing=args.prefix_cache_sharing, trace_path=args.trace_path,
         executor_options={**_tp_options(args), **cpu_options(args)})
 
 

@@ -44,6 +44,7 @@ import json
 import os
 import random
 import signal
+import shlex
 import socket
 import statistics
 import subprocess
@@ -473,11 +474,14 @@ def serve(args: argparse.Namespace) -> None:
                 for rep in range(args.reps):
                     order = engines[rep % len(engines):] + engines[:rep % len(engines)]
                     for engine in order:
-                        extra = ("--async-scheduling",) if args.cadence_async and engine == "cadence" else ()
+                        extra = []
+                        if engine == "cadence":
+                            extra = ["--async-scheduling"] * args.cadence_async + shlex.split(args.cadence_extra)
                         for record in serve_once(engine, pythons[engine], Path(directory), dtype, threads,
                                                  args.concurrency, args.num_requests, extra):
                             emit(mode="serve", engine=engine, dtype=dtype, threads=threads, rep=rep,
                                  busy=args.busy, model=Path(directory).name, cadence_async=args.cadence_async,
+                                 cadence_extra=args.cadence_extra,
                                  **record)
                             key = (record["figure"], record.get("concurrency"))
                             figures.setdefault(key + (engine,), []).append(record)
@@ -626,6 +630,8 @@ def main(argv: list[str] | None = None) -> None:
     common.add_argument("--reps", type=int, default=3)
     common.add_argument("--busy", type=int, default=0, help="busy-looping processes beside the run")
     common.add_argument("--cadence-async", action="store_true", help="Cadence with async scheduling")
+    common.add_argument("--cadence-extra", default="", metavar="ARGS",
+                        help="more options for Cadence's server, one string (e.g. '--max-num-batched-tokens 2048')")
     off = sub.add_parser("offline", parents=[common])
     off.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     off.add_argument("--engines", nargs="+", default=["cadence", "vllm"], choices=ENGINES)

@@ -191,3 +191,30 @@ def test_help_says_what_serve_speaks_and_the_demo_models_length_limit(capsys):
                "demo model" in text, command
     serve = _help(["serve"], capsys)
     assert "msgpack protocol" in serve and "OpenAI-API clients over HTTP" in serve and "8000" in serve
+
+
+def test_trace_path_writes_each_requests_events(capsys, tmp_path):
+    """`--trace-path` (serve and bench --embedded) records every request's life:
+    one add, then admit and tokens, and exactly one finish, tokens adding up to max_tokens."""
+    from cadence.actors.trace import read_trace
+    from cadence.actors.bench import load_workload
+
+    path = tmp_path / "events.jsonl"
+    status, _, err = run(capsys, "bench", "--embedded", "--model", "simulated", "--sim-step-us", "0",
+                         "--no-progress", "--workload", "nano-vllm", "--num-requests", "3",
+                         "--trace-path", str(path))
+    assert status == 0, err
+    records = list(read_trace(path))
+    by_request: dict[str, list[dict]] = {}
+    for record in records:
+        by_request.setdefault(record["request_id"], []).append(record)
+    assert len(by_request) == 3
+    expected = sorted(r.max_tokens for r in load_workload("nano-vllm", 3))
+    produced = []
+    for events in by_request.values():
+        names = [e["event"] for e in events]
+        assert names[0] == "add" and names[-1] == "finish" and names.count("finish") == 1
+        assert "admit" in names
+        produced.append(sum(len(e["tokens"]) for e in events if e["event"] == "tokens"))
+    assert sorted(produced) == expected
+    assert [r["seq"] for r in records] == list(range(len(records)))
