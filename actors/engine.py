@@ -729,7 +729,11 @@ async def _run_engine(config: EngineConfig, on_step: StepListener | None) -> Asy
         bytes_per_token = await trio.to_thread.run_sync(max_bytes_per_token, tokenizer)
     trace = None
     if config.trace_path is not None or config.record_trace:
-        trace = TraceRecorder(config.trace_path, keep=config.record_trace)
+        try:
+            trace = TraceRecorder(config.trace_path, keep=config.record_trace)
+        except OSError as error:
+            raise ConfigError(f"trace_path: cannot write {config.trace_path!r}: "
+                              f"{error.strerror or error}") from None
     try:
         try:
             with trio.fail_after(config.start_timeout_s):

@@ -630,8 +630,6 @@ def main(argv: list[str] | None = None) -> None:
     common.add_argument("--reps", type=int, default=3)
     common.add_argument("--busy", type=int, default=0, help="busy-looping processes beside the run")
     common.add_argument("--cadence-async", action="store_true", help="Cadence with async scheduling")
-    common.add_argument("--cadence-extra", default="", metavar="ARGS",
-                        help="more options for Cadence's server, one string (e.g. '--max-num-batched-tokens 2048')")
     off = sub.add_parser("offline", parents=[common])
     off.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     off.add_argument("--engines", nargs="+", default=["cadence", "vllm"], choices=ENGINES)
@@ -639,6 +637,8 @@ def main(argv: list[str] | None = None) -> None:
     srv.add_argument("--model", default=None, help="a checkpoint directory (default: the 125M model)")
     srv.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     srv.add_argument("--num-requests", type=int, default=64)
+    srv.add_argument("--cadence-extra", default="", metavar="ARGS",
+                        help="more options for Cadence's server, one string (e.g. '--max-num-batched-tokens 2048')")
     srv.add_argument("--engines", nargs="+", default=["cadence", "vllm"], choices=("cadence", "vllm"))
     sub.add_parser("limit", parents=[common])
     agr = sub.add_parser("agreement", parents=[common])

@@ -157,7 +157,9 @@ class SchedulerConfig:
       prefix_tie_lookahead: with prefix caching, among waiting requests the policy
         ranks equally (same key; under `fair`, one tenant and arrival time), up to
         this many are looked at together and the one with the longest cached
-        prefix is examined first (1: policy order only).
+        prefix is examined first (1: policy order only). A request that ran
+        before (preempted, or back after an executor loss) keeps its slot in
+        policy order: its own retained blocks are no shared prefix.
       predict_output_lengths: project each running request's growth to its
         predicted end rather than its declared max_tokens. The prediction is the
         `length_estimate_quantile` of the outcomes of the last

@@ -772,9 +772,9 @@ class Scheduler:
             hits = len(find(r))
             return (bool(computing) and self._shares_computing(r, hits, computing), -hits)
 
-        # A request coming back from preemption finds its own retained blocks,
-        # not a shared prefix: it keeps its slot in policy order, and only the
-        # new arrivals around it are reordered.
+        # A request that ran before finds its own retained blocks, not a shared
+        # prefix: it keeps its slot in policy order, and only the new arrivals
+        # around it are reordered.
         slots = [i for i, r in enumerate(group) if r.first_scheduled_s is None]
         for i, r in zip(slots, sorted((group[i] for i in slots), key=rank)):
             group[i] = r

@@ -218,3 +218,12 @@ def test_trace_path_writes_each_requests_events(capsys, tmp_path):
         produced.append(sum(len(e["tokens"]) for e in events if e["event"] == "tokens"))
     assert sorted(produced) == expected
     assert [r["seq"] for r in records] == list(range(len(records)))
+
+
+def test_an_unwritable_trace_path_is_named_in_the_error(capsys, tmp_path):
+    missing = tmp_path / "no-such-dir" / "events.jsonl"
+    status, _, err = run(capsys, "bench", "--embedded", "--model", "simulated", "--sim-step-us", "0",
+                         "--no-progress", "--workload", "nano-vllm", "--num-requests", "1",
+                         "--trace-path", str(missing))
+    assert status != 0
+    assert "trace_path: cannot write" in err and str(missing) in err and "Traceback" not in err
