@@ -340,6 +340,7 @@ class ReferenceSpec:
                     out.append(f"{rid}: changed while waiting")
         out += [f"{rid} appeared in a plan" for rid in after.requests if rid not in before.requests]
         out += self._budget_problems(after, scheduled)
+        out += self._share_problems(before, admitted, grown, scheduled)
         out += self._block_problems(before, after, admitted, grown, preempted, scheduled)
         out += self._order_problems(before, after, admitted, grown, preempted, scheduled)
         return out
@@ -403,6 +404,19 @@ class ReferenceSpec:
             elif c.long_prefill_token_threshold and n > c.long_prefill_token_threshold:
                 out.append(f"{rid}: {n} tokens > long_prefill_token_threshold")
         return out
+
+    def _share_problems(self, before: RefState, admitted, grown, scheduled) -> list[str]:
+        """Beside running requests, admissions take at most their share of
+        `admission_delay_budget` among the requests held."""
+        c = self.config
+        if not (c.admission_delay_budget and c.enable_chunked_prefill
+                and any(scheduled.get(rid) for rid in grown)):
+            return []
+        share = max(c.admission_delay_budget // len(before.requests), c.admission_min_tokens)
+        taken = sum(scheduled.get(rid, 0) for rid in admitted)
+        if taken > share:
+            return [f"admissions take {taken} tokens beside running requests, their share is {share}"]
+        return []
 
     def _block_problems(self, before, after, admitted, grown, preempted, scheduled) -> list[str]:
         bs = self.block_size

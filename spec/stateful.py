@@ -123,7 +123,8 @@ class SchedulerStateMachine(RuleBasedStateMachine):
             self.config = attrs.evolve(
                 self.config, max_num_seqs=seats, max_num_batched_tokens=budget,
                 enable_chunked_prefill=True,
-                admission_headroom_steps=draw(st.sampled_from([0, 0, 1, 4]), label="headroom"))
+                admission_headroom_steps=draw(st.sampled_from([0, 0, 1, 4]), label="headroom"),
+                admission_delay_budget=draw(st.sampled_from([0, 0, 4, 12]), label="delay budget"))
             full = -(-self.config.max_model_len // self.cache_config.block_size)
             self.cache_config = attrs.evolve(
                 self.cache_config, num_blocks=draw(st.integers(full, full + 4), label="num_blocks"))

@@ -89,6 +89,21 @@ class SchedulerConfig:
         (0: no cap beyond the budget), so one long prompt cannot take a whole step.
       enable_chunked_prefill: split prompts across steps; when off, a prompt must
         fit the budget whole.
+      admission_delay_budget: in a step that runs requests admitted before, the
+        requests it admits get at most this many tokens divided by the number of
+        requests held (running and waiting), and at least `admission_min_tokens`
+        (0: whatever the budget has left). Each prompt token computed beside the
+        running requests delays their next token; sharing the budget among the
+        requests held keeps that delay short where many run, and lets a burst of
+        arrivals join over several steps instead of in one step that stalls them
+        all and turns the burst into a wave whose requests all finish, and all
+        come back, in the same step. Beside a few requests a burst joins at once,
+        and a step with nothing running (the first of an offline batch) admits up
+        to the whole budget. Applies only with chunked prefill (a share may split
+        a prompt).
+      admission_min_tokens: tokens the step's admissions may always take under
+        `admission_delay_budget`, so admission keeps up with arrivals however
+        many requests run.
 
     Ordering
       policy: `fcfs`, `priority` (lower value first, aged), `strict-priority` (no
@@ -210,6 +225,8 @@ class SchedulerConfig:
     max_waiting: int = attrs.field(default=1_000_000, validator=_at_least(0))
     max_batch_size: int | None = None
     long_prefill_token_threshold: int = attrs.field(default=0, validator=_at_least(0))
+    admission_delay_budget: int = attrs.field(default=0, validator=_at_least(0))
+    admission_min_tokens: int = attrs.field(default=128, validator=_at_least(1))
     enable_chunked_prefill: bool = True
     policy: str = attrs.field(default="fcfs", validator=_policy_name)
     enable_priority_scheduling: bool = True

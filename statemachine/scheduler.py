@@ -341,8 +341,12 @@ class Scheduler:
             self.collector.num_admission_memo_hits += 1
         elif len(policy) and ((budget > 0 and len(scheduled) < seats)
                               or getattr(policy, "preempts_running", True)):
+            cap = 0  # a share splits prompts, so it applies only with chunking
+            if scheduled and config.admission_delay_budget and config.enable_chunked_prefill:
+                held = len(self.running) + len(policy)
+                cap = max(config.admission_delay_budget // held, config.admission_min_tokens)
             budget = self._admit(budget, seats, scheduled, new_requests, preempted,
-                                 new_block_ids, threshold)
+                                 new_block_ids, threshold, cap)
 
         # 3. Advance progress and build the plan.
         total = 0
@@ -536,8 +540,18 @@ class Scheduler:
         )
 
     # ---- internals -------------------------------------------------------------
-    def _admit(self, budget, seats, scheduled, new_requests, preempted, new_block_ids, threshold):
+    def _admit(self, budget, seats, scheduled, new_requests, preempted, new_block_ids, threshold,
+               cap=0):
         config, blocks, policy = self.config, self.blocks, self.policy
+        # `cap` (0: none) bounds the tokens this pass gives the requests it admits.
+        num_admitted_tokens = 0
+
+        def budget_left() -> int:
+            left = config.max_num_batched_tokens - sum(scheduled.values())
+            return min(left, cap - num_admitted_tokens) if cap else left
+
+        if cap:
+            budget = min(budget, cap)
         block_size = blocks.block_size
         max_seqs = config.max_num_seqs
         skip_limit = config.starvation_skip_limit
@@ -564,6 +578,8 @@ class Scheduler:
         growth, until, exact = len(self.running) * horizon / block_size, horizon, False
         num_releases = blocks.num_releases
         while True:
+            if cap and num_admitted_tokens >= cap:
+                break  # displacing a running request gives back no admission tokens
             has_room = budget > 0 and len(scheduled) < seats
             if not has_room and not preemptive:
                 break
@@ -623,7 +639,7 @@ class Scheduler:
                         request, hits, scheduled, new_block_ids, preempted,
                         only_scheduled=not has_room):
                     break
-                budget = config.max_num_batched_tokens - sum(scheduled.values())
+                budget = budget_left()
                 has_room = budget > 0 and len(scheduled) < seats
             if not has_room or len(self.running) >= max_seqs:
                 break
@@ -641,7 +657,7 @@ class Scheduler:
                     fits = blocks.allocate(request.request_id, hits, request.num_tokens, reserve)
                 while not fits and self._preempt_for(request, hits, scheduled, new_block_ids,
                                                      preempted):
-                    budget = config.max_num_batched_tokens - sum(scheduled.values())
+                    budget = budget_left()
                     growth, until, reserve, num_releases = self._exact_projection()
                     exact = True
                     fits = blocks.allocate(request.request_id, hits, request.num_tokens, reserve)
@@ -681,6 +697,7 @@ class Scheduler:
             scheduled[request.request_id] = n
             budget -= n
             num_admitted += 1
+            num_admitted_tokens += n
         put_back.extend(ahead)
         for request in put_back:
             policy.push(request)

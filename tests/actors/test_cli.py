@@ -14,9 +14,10 @@ import pytest
 from cadence.actors import ConfigError, cli
 from cadence.actors.bench import add_bench_parser
 from cadence.actors.engine import demo_model_dir
-from cadence.actors.engine_args import engine_config_from_args
+from cadence.actors.engine_args import SERVE_ADMISSION_DELAY_BUDGET, engine_config_from_args
 from cadence.actors.serve.server import add_serve_parser
 from cadence.actors.wire import DEFAULT_PORT
+from cadence.statemachine.config import SchedulerConfig
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -165,6 +166,17 @@ def test_serve_and_bench_default_to_the_demo_model_and_name_the_simulated_one():
     # bench looks where serve listens (its --port default is resolved at run time, by protocol).
     port_help = next(a.help for a in bench._actions if "--port" in a.option_strings)
     assert serve.parse_args([]).port == DEFAULT_PORT and f"default: {DEFAULT_PORT}" in port_help
+
+
+def test_a_server_shares_its_admissions_and_an_offline_engine_does_not():
+    serve = _subparser(add_serve_parser, "serve")
+    config = engine_config_from_args(serve.parse_args(["--model", "simulated"]))
+    assert config.scheduler.admission_delay_budget == SERVE_ADMISSION_DELAY_BUDGET > 0
+    off = engine_config_from_args(serve.parse_args(["--model", "simulated", "--admission-delay-budget", "0"]))
+    assert off.scheduler.admission_delay_budget == 0
+    assert SchedulerConfig().admission_delay_budget == 0  # the embedded engine and LLM
+    with pytest.raises(ConfigError, match="admission_delay_budget"):
+        engine_config_from_args(serve.parse_args(["--model", "simulated", "--admission-delay-budget", "-1"]))
 
 
 def test_the_readme_serves_where_bench_looks():

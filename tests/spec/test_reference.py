@@ -95,3 +95,34 @@ def test_leaked_blocks_break_the_invariants(monkeypatch):
     h.schedule()
     with pytest.raises(SpecViolation, match="refcount|free"):
         h.abort("a")
+
+
+SHARED = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=12, max_model_len=10,
+                         admission_delay_budget=8, admission_min_tokens=1)
+
+
+def burst_beside_a_running_request(h: CheckedHarness) -> None:
+    h.add("a", (1, 2, 3), 6)
+    h.step()
+    for rid in ("b", "c", "d"):
+        h.add(rid, (4, 5, 6, 7), 2)
+
+
+def test_admissions_within_their_share_refine_the_spec():
+    h = CheckedHarness(SHARED, CacheConfig(num_blocks=16, block_size=2))
+    burst_beside_a_running_request(h)
+    for _ in range(12):
+        h.step()
+    assert not h.scheduler.has_work()
+
+
+def test_admissions_past_their_share_are_rejected():
+    """A core that admits the whole burst beside a running request breaks the share
+    (8 // 4 requests held = 2 tokens, the burst has 12)."""
+    import attrs
+
+    h = CheckedHarness(SHARED, CacheConfig(num_blocks=16, block_size=2))
+    burst_beside_a_running_request(h)
+    h.scheduler.config = attrs.evolve(SHARED, admission_delay_budget=0)
+    with pytest.raises(SpecViolation, match="share"):
+        h.step()

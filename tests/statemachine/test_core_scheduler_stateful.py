@@ -104,6 +104,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             long_prefill_token_threshold=(draw(st.sampled_from([0, 0, 2, 5]), label="threshold")
                                           if chunked else 0),
             enable_chunked_prefill=chunked,
+            admission_delay_budget=draw(st.sampled_from([0, 0, 0, 8, 40]), label="delay budget"),
+            admission_min_tokens=draw(st.sampled_from([1, 4]), label="admission min tokens"),
             enable_priority_scheduling=draw(st.sampled_from([True, True, False]), label="priorities"),
             aging_steps=draw(st.sampled_from([0, 2, 16]), label="aging_steps"),
             default_deadline_s=draw(st.sampled_from([1.0, 4.0, 60.0]), label="default_deadline_s"),
