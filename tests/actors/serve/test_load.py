@@ -33,8 +33,9 @@ from test_server_support import (
 
 _CONNECTIONS = int(os.environ.get("CADENCE_LOAD_CONNECTIONS", "200"))
 # What may remain beyond the warm-up baseline: prefix-cache entries, counters
-# and allocator slack, not per-request or per-connection state.
-_OBJECT_MARGIN = 1500
+# and allocator slack, not per-request or per-connection state (the soak runs 320
+# requests, so one object left behind by each is caught; measured: ~30 remain).
+_OBJECT_MARGIN = 300
 _RSS_MARGIN_BYTES = 32 << 20
 # Resident memory that may remain after clients that never read have left:
 # allocator slack, not their queued frames or coalesced outputs.
@@ -49,6 +50,17 @@ def _rss_bytes() -> int | None:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return None
+
+
+def _num_objects() -> int:
+    """Objects the collector tracks, less Trio's deadline-heap entries. Every cancel
+    scope with a deadline leaves a (deadline, id, scope) entry that Trio discards
+    lazily (once the deadline passes, or once over 1,000 are stale), so up to two
+    thousand such objects outlive a soak without being ours."""
+    objects = gc.get_objects()
+    entries = [o for o in objects if type(o) is tuple and len(o) == 3
+               and isinstance(o[2], trio.CancelScope) and o[1] == id(o[2])]
+    return len(objects) - len(entries) - len({id(e[2]) for e in entries})
 
 
 def _count_tasks() -> int:
@@ -153,11 +165,11 @@ async def test_soak_with_random_aborts_and_disconnects_leaves_nothing_behind():
     async with open_server(engine, server_config()) as server:
         await _soak(server, seed=0, num_clients=num_clients, num_requests=2)  # warm-up
         gc.collect()
-        baseline_tasks, baseline_objects, baseline_rss = _count_tasks(), len(gc.get_objects()), _rss_bytes()
+        baseline_tasks, baseline_objects, baseline_rss = _count_tasks(), _num_objects(), _rss_bytes()
         tally = await _soak(server, seed=1, num_clients=num_clients, num_requests=num_requests)
         gc.collect()
         assert _count_tasks() == baseline_tasks
-        grown_objects = len(gc.get_objects()) - baseline_objects
+        grown_objects = _num_objects() - baseline_objects
         assert grown_objects < _OBJECT_MARGIN, f"{grown_objects} more objects after the soak"
         if baseline_rss is not None:
             grown_rss = _rss_bytes() - baseline_rss
