@@ -340,7 +340,7 @@ class ReferenceSpec:
                     out.append(f"{rid}: changed while waiting")
         out += [f"{rid} appeared in a plan" for rid in after.requests if rid not in before.requests]
         out += self._budget_problems(after, scheduled)
-        out += self._share_problems(before, admitted, grown, scheduled)
+        out += self._share_problems(before, admitted, grown, preempted, scheduled)
         out += self._block_problems(before, after, admitted, grown, preempted, scheduled)
         out += self._order_problems(before, after, admitted, grown, preempted, scheduled)
         return out
@@ -405,17 +405,24 @@ class ReferenceSpec:
                 out.append(f"{rid}: {n} tokens > long_prefill_token_threshold")
         return out
 
-    def _share_problems(self, before: RefState, admitted, grown, scheduled) -> list[str]:
-        """Beside running requests, admissions take at most their share of
-        `admission_delay_budget` among the requests held."""
+    def _share_problems(self, before: RefState, admitted, grown, preempted, scheduled) -> list[str]:
+        """Beside running requests, and while every waiting request has a free seat,
+        admissions take at most their share of `admission_delay_budget` among the
+        requests held, beyond the first one in `admission_drain_steps` waiting."""
         c = self.config
         if not (c.admission_delay_budget and c.enable_chunked_prefill
                 and any(scheduled.get(rid) for rid in grown)):
             return []
+        num_waiting = sum(r.phase == PENDING for r in before.requests.values())
+        if num_waiting > c.max_num_seqs - (len(before.requests) - num_waiting):
+            return []
         share = max(c.admission_delay_budget // len(before.requests), c.admission_min_tokens)
-        taken = sum(scheduled.get(rid, 0) for rid in admitted)
-        if taken > share:
-            return [f"admissions take {taken} tokens beside running requests, their share is {share}"]
+        # The first admissions go uncapped; a growth preemption may have added a waiter.
+        num_uncapped = -(-(num_waiting + len(preempted)) // c.admission_drain_steps)
+        taken = sorted((scheduled.get(rid, 0) for rid in admitted), reverse=True)
+        if sum(taken) > max(share, sum(taken[:num_uncapped])):
+            return [f"admissions take {sum(taken)} tokens beside running requests, their share "
+                    f"is {share} beyond the first {num_uncapped}"]
         return []
 
     def _block_problems(self, before, after, admitted, grown, preempted, scheduled) -> list[str]:

@@ -104,6 +104,12 @@ class SchedulerConfig:
       admission_min_tokens: tokens the step's admissions may always take under
         `admission_delay_budget`, so admission keeps up with arrivals however
         many requests run.
+      admission_drain_steps: under `admission_delay_budget`, one in this many
+        waiting requests joins in each step whatever the share (the first ones in
+        policy order), so a burst of any size has joined within about this many
+        steps; and the share holds only while every waiting request has a free
+        seat (`max_num_seqs`): a backlog is admitted as without it, keeping the
+        seats filled.
 
     Ordering
       policy: `fcfs`, `priority` (lower value first, aged), `strict-priority` (no
@@ -227,6 +233,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = attrs.field(default=0, validator=_at_least(0))
     admission_delay_budget: int = attrs.field(default=0, validator=_at_least(0))
     admission_min_tokens: int = attrs.field(default=128, validator=_at_least(1))
+    admission_drain_steps: int = attrs.field(default=32, validator=_at_least(1))
     enable_chunked_prefill: bool = True
     policy: str = attrs.field(default="fcfs", validator=_policy_name)
     enable_priority_scheduling: bool = True

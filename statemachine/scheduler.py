@@ -341,12 +341,17 @@ class Scheduler:
             self.collector.num_admission_memo_hits += 1
         elif len(policy) and ((budget > 0 and len(scheduled) < seats)
                               or getattr(policy, "preempts_running", True)):
-            cap = 0  # a share splits prompts, so it applies only with chunking
-            if scheduled and config.admission_delay_budget and config.enable_chunked_prefill:
-                held = len(self.running) + len(policy)
-                cap = max(config.admission_delay_budget // held, config.admission_min_tokens)
+            # A share splits prompts, so it applies only with chunking; and only while
+            # every waiting request has a free seat (a backlog keeps seats filled).
+            cap, num_uncapped = 0, 0
+            num_running, num_waiting = len(self.running), len(policy)
+            if (scheduled and config.admission_delay_budget and config.enable_chunked_prefill
+                    and num_waiting <= config.max_num_seqs - num_running):
+                cap = max(config.admission_delay_budget // (num_running + num_waiting),
+                          config.admission_min_tokens)
+                num_uncapped = -(-num_waiting // config.admission_drain_steps)
             budget = self._admit(budget, seats, scheduled, new_requests, preempted,
-                                 new_block_ids, threshold, cap)
+                                 new_block_ids, threshold, cap, num_uncapped)
 
         # 3. Advance progress and build the plan.
         total = 0
@@ -541,16 +546,19 @@ class Scheduler:
 
     # ---- internals -------------------------------------------------------------
     def _admit(self, budget, seats, scheduled, new_requests, preempted, new_block_ids, threshold,
-               cap=0):
+               cap=0, num_uncapped=0):
         config, blocks, policy = self.config, self.blocks, self.policy
-        # `cap` (0: none) bounds the tokens this pass gives the requests it admits.
+        # `cap` (0: none) bounds the tokens this pass gives the requests it admits
+        # after the first `num_uncapped` of them.
         num_admitted_tokens = 0
 
         def budget_left() -> int:
             left = config.max_num_batched_tokens - sum(scheduled.values())
-            return min(left, cap - num_admitted_tokens) if cap else left
+            if cap and num_admitted >= num_uncapped:
+                return min(left, cap - num_admitted_tokens)
+            return left
 
-        if cap:
+        if cap and not num_uncapped:
             budget = min(budget, cap)
         block_size = blocks.block_size
         max_seqs = config.max_num_seqs
@@ -578,7 +586,7 @@ class Scheduler:
         growth, until, exact = len(self.running) * horizon / block_size, horizon, False
         num_releases = blocks.num_releases
         while True:
-            if cap and num_admitted_tokens >= cap:
+            if cap and num_admitted >= num_uncapped and num_admitted_tokens >= cap:
                 break  # displacing a running request gives back no admission tokens
             has_room = budget > 0 and len(scheduled) < seats
             if not has_room and not preemptive:
@@ -698,6 +706,8 @@ class Scheduler:
             budget -= n
             num_admitted += 1
             num_admitted_tokens += n
+            if cap and num_admitted >= num_uncapped:
+                budget = min(budget, cap - num_admitted_tokens)
         put_back.extend(ahead)
         for request in put_back:
             policy.push(request)

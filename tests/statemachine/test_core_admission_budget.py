@@ -66,16 +66,24 @@ def test_the_floor_keeps_admission_going_however_many_requests_wait():
     run_until_idle(s)
 
 
-def test_a_prompt_longer_than_the_share_starts_with_a_chunk_and_continues_uncapped():
-    s = make_scheduler(max_num_batched_tokens=64, num_blocks=256, max_num_seqs=8,
-                       admission_delay_budget=8, admission_min_tokens=1)
-    s.add_request(make_request("running", PROMPT, max_tokens=50, ignore_eos=True))
-    step(s)
-    s.add_request(make_request("long", 40, max_tokens=2, arrival_s=1.0))
-    first, _ = step(s)
-    assert first.num_scheduled_tokens["long"] == 8 // 2
-    second, _ = step(s)
-    assert second.num_scheduled_tokens["long"] == 40 - 8 // 2
+def test_one_in_drain_steps_of_the_waiting_joins_whatever_the_share():
+    # A share of 1 token, 8 waiting, drain steps 4: two whole prompts a step.
+    s = running_then_burst(8, admission_delay_budget=1, admission_min_tokens=1,
+                           admission_drain_steps=4)
+    plan, _ = step(s)
+    assert [d.request_id for d in plan.new_requests] == ["b0", "b1"] and new_tokens(plan) == 2 * PROMPT
+
+
+def test_a_backlog_beyond_the_free_seats_is_admitted_as_without_a_share():
+    def first_admissions_of(budget: int) -> int:
+        s = make_scheduler(max_num_batched_tokens=256, num_blocks=256, max_num_seqs=4,
+                           admission_delay_budget=budget, admission_min_tokens=1)
+        s.add_request(make_request("running", PROMPT, max_tokens=50, ignore_eos=True))
+        step(s)
+        for i in range(5):  # 5 waiting, 3 free seats
+            s.add_request(make_request(f"b{i}", PROMPT, max_tokens=4, arrival_s=1.0 + i))
+        return len(step(s)[0].new_requests)
+    assert first_admissions_of(1) == first_admissions_of(0) == 3
 
 
 def test_a_high_priority_arrival_displaces_no_one_for_admission_tokens():
