@@ -341,15 +341,7 @@ class Scheduler:
             self.collector.num_admission_memo_hits += 1
         elif len(policy) and ((budget > 0 and len(scheduled) < seats)
                               or getattr(policy, "preempts_running", True)):
-            # A share splits prompts, so it applies only with chunking; and only while
-            # every waiting request has a free seat (a backlog keeps seats filled).
-            cap, num_uncapped = 0, 0
-            num_running, num_waiting = len(self.running), len(policy)
-            if (scheduled and config.admission_delay_budget and config.enable_chunked_prefill
-                    and num_waiting <= config.max_num_seqs - num_running):
-                cap = max(config.admission_delay_budget // (num_running + num_waiting),
-                          config.admission_min_tokens)
-                num_uncapped = -(-num_waiting // config.admission_drain_steps)
+            cap, num_uncapped = self._admission_share() if scheduled else (0, 0)
             budget = self._admit(budget, seats, scheduled, new_requests, preempted,
                                  new_block_ids, threshold, cap, num_uncapped)
 
@@ -545,20 +537,35 @@ class Scheduler:
         )
 
     # ---- internals -------------------------------------------------------------
+    def _admission_share(self) -> tuple[int, int]:
+        """In a step that runs earlier requests: the tokens its admissions may take
+        (`admission_delay_budget`; 0: no limit), and how many of them join whatever
+        the share. A share splits prompts, so it needs chunking; a backlog beyond the
+        free seats is admitted without one, so the seats stay filled."""
+        config = self.config
+        num_running, num_waiting = len(self.running), len(self.policy)
+        if (not config.admission_delay_budget or not config.enable_chunked_prefill
+                or num_waiting > config.max_num_seqs - num_running):
+            return 0, 0
+        cap = max(config.admission_delay_budget // (num_running + num_waiting),
+                  config.admission_min_tokens)
+        return cap, -(-num_waiting // config.admission_drain_steps)
+
     def _admit(self, budget, seats, scheduled, new_requests, preempted, new_block_ids, threshold,
                cap=0, num_uncapped=0):
         config, blocks, policy = self.config, self.blocks, self.policy
         # `cap` (0: none) bounds the tokens this pass gives the requests it admits
         # after the first `num_uncapped` of them.
-        num_admitted_tokens = 0
+        num_admitted = num_admitted_tokens = 0
+
+        def capped() -> bool:
+            return cap > 0 and num_admitted >= num_uncapped
 
         def budget_left() -> int:
             left = config.max_num_batched_tokens - sum(scheduled.values())
-            if cap and num_admitted >= num_uncapped:
-                return min(left, cap - num_admitted_tokens)
-            return left
+            return min(left, cap - num_admitted_tokens) if capped() else left
 
-        if cap and not num_uncapped:
+        if capped():
             budget = min(budget, cap)
         block_size = blocks.block_size
         max_seqs = config.max_num_seqs
@@ -570,7 +577,6 @@ class Scheduler:
         short_of_blocks = False
         cut = None
         min_need = blocks.num_blocks + 1
-        num_admitted = 0
         waits_for_sibling = False
         preemptive = getattr(policy, "preempts_running", True)
         prefix_wait = config.admission_prefix_wait_blocks if blocks.enable_prefix_caching else 0
@@ -586,7 +592,7 @@ class Scheduler:
         growth, until, exact = len(self.running) * horizon / block_size, horizon, False
         num_releases = blocks.num_releases
         while True:
-            if cap and num_admitted >= num_uncapped and num_admitted_tokens >= cap:
+            if capped() and num_admitted_tokens >= cap:
                 break  # displacing a running request gives back no admission tokens
             has_room = budget > 0 and len(scheduled) < seats
             if not has_room and not preemptive:
@@ -706,7 +712,7 @@ class Scheduler:
             budget -= n
             num_admitted += 1
             num_admitted_tokens += n
-            if cap and num_admitted >= num_uncapped:
+            if capped():
                 budget = min(budget, cap - num_admitted_tokens)
         put_back.extend(ahead)
         for request in put_back:
