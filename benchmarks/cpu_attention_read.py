@@ -9,7 +9,8 @@ memory's pace. This one keeps `--layers` layers of random-valued caches (the
 blocks of each sequence scattered in random order, as a long-running engine
 leaves them) and attends over all of them per step, as the model does; it
 prints the bytes read per second next to a plain streaming read
-(`torch.sum` over a buffer of `--stream-mib`) on the same threads.
+(`cpu_peers.memory_bandwidth_gb_s`, the figure `cpu_peers.py limit` compares
+the batch-1 decode with) on the same threads.
 
 One JSON line per block size, then one for the streaming read:
 
@@ -19,21 +20,10 @@ One JSON line per block size, then one for the streaming read:
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 
 import torch
-
-
-def stream_gbps(mib: int, reps: int = 3) -> float:
-    """GB/s of `torch.sum` over a float32 buffer of `mib` MiB."""
-    buffer = torch.randn(mib * (1 << 20) // 4)
-    buffer.sum()
-    start = time.perf_counter()
-    for _ in range(reps):
-        buffer.sum()
-    return reps * buffer.numel() * 4 / (time.perf_counter() - start) / 1e9
+from cpu_peers import emit, memory_bandwidth_gb_s
 
 
 def attention_read(kernels, *, batch: int, context: int, block_size: int, layers: int, heads: int,
@@ -79,7 +69,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--stream-mib", type=int, default=1024)
     args = parser.parse_args(argv)
 
     from cadence.gpu import cpu_kernels
@@ -89,14 +78,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"the CPU kernels could not be built: {cpu_kernels.unavailable_reason()}")
     torch.set_num_threads(args.threads)
     where = dict(threads=args.threads, dtype=args.dtype, batch=args.batch, context=args.context,
-                 layers=args.layers, load_average=round(os.getloadavg()[0], 2))
+                 layers=args.layers)
     for block_size in args.block_sizes:
         figures = attention_read(kernels, batch=args.batch, context=args.context, block_size=block_size,
                                  layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
                                  head_dim=args.head_dim, dtype=getattr(torch, args.dtype), steps=args.steps)
-        print(json.dumps(dict(bench="cpu_attention_read", block_size=block_size, **where, **figures)), flush=True)
-    print(json.dumps(dict(bench="cpu_stream_read", gbps=round(stream_gbps(args.stream_mib), 2),
-                          threads=args.threads, load_average=round(os.getloadavg()[0], 2))), flush=True)
+        emit(bench="cpu_attention_read", block_size=block_size, **where, **figures)
+    emit(bench="cpu_stream_read", gbps=round(memory_bandwidth_gb_s(), 2), threads=args.threads)
 
 
 if __name__ == "__main__":

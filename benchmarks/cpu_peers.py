@@ -514,6 +514,20 @@ def _serve_summary(figures: dict, **where) -> None:
 # --------------------------------------------------------------------------- the limit
 
 
+def memory_bandwidth_gb_s(gib: int = 1, reps: int = 5) -> float:
+    """GB/s of `torch.sum` streaming a float32 buffer of `gib` GiB on torch's threads, best of `reps`."""
+    import torch
+
+    buffer = torch.ones(gib << 28, dtype=torch.float32)
+    buffer.sum()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return buffer.numel() * 4 / best / 1e9
+
+
 def limit(args: argparse.Namespace) -> None:
     """Memory bandwidth against the weight bytes a batch-1 decode step reads per ms."""
     import torch
@@ -521,15 +535,7 @@ def limit(args: argparse.Namespace) -> None:
     directory = build_model(args.work_dir)
     for threads in args.threads:
         torch.set_num_threads(threads)
-        buffer = torch.ones(256 << 20, dtype=torch.uint8).view(torch.float32)  # 1 GiB
-        buffer.sum()
-        best = float("inf")
-        for _ in range(5):
-            start = time.perf_counter()
-            buffer.sum()
-            best = min(best, time.perf_counter() - start)
-        bandwidth = buffer.numel() * 4 / best / 1e9
-        del buffer
+        bandwidth = memory_bandwidth_gb_s()
         for dtype in args.dtypes:
             record = run_child(sys.executable, ["child-offline", "--engine", "cadence", "--model", str(directory),
                                                 "--dtype", dtype, "--threads", str(threads), "--batches", "1"])[0]
