@@ -188,14 +188,20 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
                       slot_mapping: torch.Tensor, *, q_norm_weight: torch.Tensor | None = None,
                       k_norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """Per-head norms (where given), the rotary embedding of q and k, and k, v stored at
-    their cache slots; returns q. q [T, Hq, D], k, v [T, Hkv, D]; cos, sin [T, 1, D]."""
+    their cache slots; returns q. q [T, Hq, D], k, v [T, Hkv, D]; cos, sin [T, 1, D].
+
+    Without norms, q and k are rotated in place (the attention block's own, fresh from
+    its projection): a long prefill then makes no new [T, Hq, D] tensor per layer,
+    whose first touch of fresh pages cost ~20 ms a layer at 8,192 tokens here."""
     kernels = _kernels()
     if q_norm_weight is not None:
         q = kernels.rms_norm(q.contiguous(), q_norm_weight, eps, None)[0]
         k = kernels.rms_norm(k.contiguous(), k_norm_weight, eps, None)[0]
     cos, sin = cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1)
-    q, k = kernels.rotated(q, cos, sin), kernels.rotated(k, cos, sin)
-    if k_cache.dtype == k.dtype and v.stride(1) == v.shape[2] and v.stride(2) == 1 and k_cache.is_contiguous():
+    kernels.rotary(q, cos, sin)
+    kernels.rotary(k, cos, sin)
+    if (k_cache.dtype == k.dtype and all(t.stride(1) == t.shape[2] and t.stride(2) == 1 for t in (k, v))
+            and k_cache.is_contiguous()):
         kernels.store_kv(k, v, k_cache, v_cache, slot_mapping.long())
     else:
         write_kv(k_cache, v_cache, k, v, slot_mapping)

@@ -277,6 +277,35 @@ def test_rope_and_write_kv_normalises_rotates_and_stores(kernel):
     assert torch.equal(caches[1], caches[3])
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_write_kv_without_norms_rotates_the_projection_in_place(kernel, dtype):
+    """Without norms the prologue rotates q and k where the merged projection left them
+    (no new tensor): the values are the unfused rotation's, v is untouched, and the
+    cache holds what `write_kv` would store."""
+    from cadence.gpu.attention import write_kv
+    from cadence.gpu.model import RotaryEmbedding, apply_rotary
+
+    generator = torch.Generator().manual_seed(13)
+    qkv = torch.randn(11, (6 + 2 + 2) * 32, generator=generator).to(dtype)
+    before = qkv.clone()
+    q, k, v = (t.view(11, -1, 32) for t in qkv.split([192, 64, 64], dim=-1))
+    cos, sin = RotaryEmbedding(32, 10000.0, None)(torch.arange(20, 31), dtype)
+    slots = torch.tensor([5, 9, 2, 14, 0, 7, 11, 30, 21, 17, 26])
+    caches = [torch.zeros(4, 8, 2, 32, dtype=dtype) for _ in range(4)]
+    want_q, want_k, want_v = (t.clone() for t in before.view(11, -1, 32).split([6, 2, 2], dim=1))
+    want_q, want_k = apply_rotary(want_q, cos, sin), apply_rotary(want_k, cos, sin)
+    got = cpu_kernels.rope_and_write_kv(q, k, v, cos, sin, caches[0], caches[1], slots)
+    write_kv(caches[2], caches[3], want_k, want_v, slots)
+    assert got.data_ptr() == qkv.data_ptr()  # the projection's own memory, rotated
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=0)
+    torch.testing.assert_close(got, want_q, **tolerance)
+    torch.testing.assert_close(k, want_k, **tolerance)
+    assert torch.equal(v, want_v)
+    assert not torch.equal(qkv, before)  # q and k changed where they lie
+    torch.testing.assert_close(caches[0], caches[2], **tolerance)
+    assert torch.equal(caches[1], caches[3]) and caches[1].any()
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("width", [1, 15, 16, 17, 48, 1000, 32003])
 def test_argmax_kernel_gives_torchs_index_with_ties_infinities_and_nans(kernel, dtype, width):
