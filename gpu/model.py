@@ -192,19 +192,28 @@ class MLP(nn.Module):
         # Rows of the packed products at a time (`CausalLM.pack` sets it from the sizes).
         self.chunk_rows: int | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the feed-forward block."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Apply the feed-forward block. With `residual` (the shape of x's output), the
+        output is added into `residual` in place and `residual` returned: the values of
+        `residual + mlp(x)`, without a fresh tensor for the block's output."""
         if self.gate_up_proj is not None:
             rows = self.chunk_rows
             if rows is not None and x.dim() == 2 and x.shape[0] > rows:
                 # A long prefill a slice of rows at a time: each slice's [rows, 2 x
-                # intermediate] product stays in the cache for silu, mul and the down
-                # projection (the same values: every row's products are its own).
-                return torch.cat([self._packed(part) for part in x.split(rows)])
-            return self._packed(x)
-        if self.fused is not None:
-            return self.down_proj(self.fused.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+                # intermediate] product stays in the cache for silu, mul, the down
+                # projection and the residual add (the same values: every row's
+                # products are its own).
+                if residual is None:
+                    return torch.cat([self._packed(part) for part in x.split(rows)])
+                for part, into in zip(x.split(rows), residual.split(rows)):
+                    into.add_(self._packed(part))
+                return residual
+            out = self._packed(x)
+        elif self.fused is not None:
+            out = self.down_proj(self.fused.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+        else:
+            out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out if residual is None else residual.add_(out)
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -225,7 +234,8 @@ class DecoderLayer(nn.Module):
         """Run the block on hidden [T, hidden_size]."""
         attn = self.self_attn(self.input_layernorm(hidden), rope, kv_cache, meta)
         normed, hidden = self.post_attention_layernorm.add_and_norm(attn, hidden)
-        return hidden + self.mlp(normed)
+        # `hidden` is the sum add_and_norm just made, this layer's own to add into.
+        return self.mlp(normed, residual=hidden)
 
 
 class DecoderStack(nn.Module):
