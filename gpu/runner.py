@@ -192,11 +192,22 @@ def int64_tensor(values) -> torch.Tensor:
     return torch.frombuffer(packed, dtype=torch.int64)
 
 
-def zeroed_cpu_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+def zeroed_cpu_tensor(shape: Sequence[int], dtype: torch.dtype, huge_pages: bool = True) -> torch.Tensor:
     """A zero CPU tensor in anonymous memory: the kernel hands out zero pages as they
-    are first touched, so a large cache costs nothing until used (torch.zeros writes every byte)."""
+    are first touched, so a large cache costs nothing until used (torch.zeros writes every byte).
+
+    `huge_pages` asks the kernel (where transparent huge pages are on "madvise" or
+    "always") to back the memory 2 MiB at a time. The mapping is private: a shared
+    anonymous mapping is shmem, which `madvise` leaves at 4 KiB pages where shmem's own
+    huge pages are off. Measured on the 125M model at batch 64 (2 threads): the 127
+    decode steps that write new cache slots take 94 page faults instead of 47,600, for
+    ~40 MiB more resident memory; the time saved is inside that machine's noise.
+    """
     num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.frombuffer(mmap.mmap(-1, num_bytes), dtype=dtype).view(*shape)
+    memory = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge_pages and hasattr(memory, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(memory, dtype=dtype).view(*shape)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

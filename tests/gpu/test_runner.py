@@ -268,6 +268,36 @@ def test_cpu_cache_starts_zeroed_and_each_layer_writes_its_own_memory():
     assert not fresh.kv_caches[0][1].any() and not fresh.kv_caches[1][0].any()
 
 
+def _mapping_of(address: int) -> tuple[str, set[str]]:
+    """The permissions and VmFlags of this process's mapping holding `address`."""
+    perms, inside = None, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+            low, high = (int(part, 16) for part in head[0].split("-"))
+            inside = low <= address < high
+            if inside:
+                perms = head[1]
+        elif inside and head[0] == "VmFlags:":
+            return perms, set(head[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc/self/smaps")
+def test_cpu_cache_memory_is_private_and_asks_for_huge_pages_only_when_told():
+    from cadence.gpu.runner import zeroed_cpu_tensor
+
+    # Private (not shmem, where madvise cannot give huge pages), and advised as asked.
+    huge = zeroed_cpu_tensor((4, 1 << 20), torch.float32)
+    plain = zeroed_cpu_tensor((4, 1 << 20), torch.float32, huge_pages=False)
+    for tensor, advised in ((huge, True), (plain, False)):
+        tensor[1, 7] = 3.0
+        perms, flags = _mapping_of(tensor.data_ptr())
+        assert perms.endswith("p") and "sh" not in flags
+        assert ("hg" in flags) == advised
+        assert tensor.sum().item() == 3.0
+
+
 def test_cpu_runs_its_decode_kernel_and_packed_products_by_default(monkeypatch):
     from cadence.gpu import runner as runner_module
 
