@@ -380,10 +380,13 @@ class FairPolicy:
                                           r.arrival_s, r.arrival_seq))
 
     def victim(self, running: Sequence[Request]) -> Request:
-        """The most served tenant's request that has the least computed work
-        (the latest arrival among equals, as under `fcfs`)."""
-        return max(running, key=lambda r: (self.counters.get(r.tenant, 0.0),
-                                           -r.num_computed_tokens, r.arrival_s))
+        """The request that has the least computed work, as under `fcfs`; among
+        equals the most served tenant's, then the latest arrival. Work lost to a
+        preemption is recomputed for nobody's benefit, and a counter moves only
+        with service, so choosing by tenant first would cost recompute without
+        charging the served tenant anything."""
+        return max(running, key=lambda r: (-r.num_computed_tokens, self.counters.get(r.tenant, 0.0),
+                                           r.arrival_s))
 
     def may_preempt(self, waiting: Request, running: Request) -> bool:
         return False

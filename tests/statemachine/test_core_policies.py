@@ -236,6 +236,48 @@ def test_fair_a_tenant_that_never_stopped_waiting_keeps_its_credit():
     assert s.policy.counters["A"] == 0.0
 
 
+def test_fair_victim_loses_the_least_work_then_takes_the_most_served_tenant():
+    """fair preempts the running request with the least computed work, whatever
+    its tenant's counter (the counter does not move with a preemption, so the
+    served tenant pays nothing for the recompute); among equal work, the most
+    served tenant's request, then the latest arrival."""
+    policy = FairPolicy(SchedulerConfig(policy="fair"))
+    policy.counters.update({"served": 1000.0, "light": 10.0})
+
+    def running(rid: str, tenant: str, computed: int, arrival_s: float) -> Request:
+        r = make_request(rid, 64, tenant=tenant, arrival_s=arrival_s)
+        r.num_computed_tokens = computed
+        return r
+
+    long_served = running("long-served", "served", 500, 0.0)
+    short_light = running("short-light", "light", 20, 1.0)
+    assert policy.victim([long_served, short_light]) is short_light
+    equal_served = running("equal-served", "served", 20, 0.0)
+    assert policy.victim([short_light, equal_served, long_served]) is equal_served
+    later_light = running("later-light", "light", 20, 2.0)
+    assert policy.victim([short_light, later_light]) is later_light
+
+
+def test_fair_growth_preemption_takes_the_request_with_least_work_from_any_tenant():
+    """Through the scheduler: when a running request cannot grow, fair takes the
+    least-work request as its victim, here the one of the least served tenant."""
+    s = make_scheduler("fair", num_blocks=8, block_size=4, max_num_seqs=3,
+                       admission_headroom_steps=0, admission_watermark=0.0)
+    s.add_request(make_request("heavy", 16, max_tokens=12, tenant="served", arrival_s=0.0))
+    step(s)  # heavy: 16 prompt tokens in 4 blocks, its tenant charged for them
+    s.add_request(make_request("light", 4, max_tokens=12, tenant="light", arrival_s=1.0))
+    step(s)
+    assert s.policy.counters["served"] > s.policy.counters["light"]
+    preempted = []
+    for _ in range(12):
+        plan, _ = step(s)
+        preempted += plan.preempted_ids
+        if preempted:
+            break
+    assert preempted == ["light"]
+    assert s.get_request("heavy").state is RequestState.RUNNING
+
+
 def test_weighted_score_ranks_priority_age_and_prompt_length():
     """weighted ranks by priority_weight * priority + latency_weight * arrival +
     throughput_weight * prompt tokens, lowest first."""
