@@ -174,11 +174,12 @@ SCOPES = {
     # one-token request, prefix caching off, so blocks are shared only by the fork;
     # 4 blocks, no headroom: members wait for, share, recompute (after their
     # leader is preempted, aborted or lost) and lose to preemption the prompt
-    # block. Depth-bounded: to depth 9.
+    # block. Depth-bounded: to depth 11 (fair, which preempts the least work
+    # first, first preempts a member holding the shared block at depth 10).
     "forked": Scope(
         name="forked", num_blocks=4, max_num_seqs=3, max_num_batched_tokens=4, max_model_len=6,
         shapes=(Shape((1, 2, 3), 3, priority=1, n=2), Shape((4,), 2, tenant="b")),
-        max_live=3, config_overrides=_TIGHT, max_depth=9, prefix_caching=False),
+        max_live=3, config_overrides=_TIGHT, max_depth=11, prefix_caching=False),
     # Async scheduling: a decode planned ahead of its token, so a request is in two
     # plans in flight; any plan may be answered first (the core holds an answer
     # back behind an older one); end-of-sequence choices (a stop one step late),
