@@ -15,6 +15,9 @@ and tokens, not seconds. Only `schedule()` + `update()` are timed, in CPU time
 of the driving thread. Waits are steps from arrival to first admission; the
 longest wait of the lowest priority is the `starve` preset's victim's, which the
 default `priority` serves within 1,000 steps at any clock (the aging bound).
+On traces whose records name tenants (`backlog`), `jain_backlogged` is Jain's
+index of the tokens each tenant was served while every tenant still had a
+request waiting for its first admission (1: equal service; see TenantService).
 
 Prints one JSON line per run. Usage:
     python benchmarks/scheduler_overhead.py                    # every preset, fcfs, exact, caching on
@@ -125,6 +128,7 @@ def replay(records: list[dict], engine: dict, policy: str = "fcfs", prefix_cachi
     num_scheduled = 0
     produced: dict[str, int] = {}
     finished: dict[str, int] = {}
+    fairness = TenantService(records)
     # CPU time of this thread: on a shared machine, time spent descheduled is not
     # the scheduler's cost. Wall time is reported beside it.
     counter = time.thread_time
@@ -161,6 +165,7 @@ def replay(records: list[dict], engine: dict, policy: str = "fcfs", prefix_cachi
                                     else output_token(rec, k)]
                     produced[rid] = k + 1
             result = StepResult(plan.step_id, sampled)
+            fairness.saw(plan, requests)
             t2 = counter()
             events = core.update(plan, result)
             t3 = counter()
@@ -207,7 +212,46 @@ def replay(records: list[dict], engine: dict, policy: str = "fcfs", prefix_cachi
                         for r in made]),
         "finished_ok": not wrong,
         "num_wrong": len(wrong),
+        **fairness.figures(),
     }
+
+
+class TenantService:
+    """Tokens scheduled per tenant while every tenant of the trace still has a
+    request that was never admitted (on traces whose records name tenants). In
+    that window every tenant is backlogged, so max-min fairness gives each the
+    same share, and Jain's index of the tokens served measures how close the
+    step came to it: 1 is equal service, 1 / tenants is one tenant served."""
+
+    def __init__(self, records: list[dict]) -> None:
+        self.unadmitted: dict[str, int] = {}
+        if records and all("tenant" in r for r in records):
+            for r in records:
+                self.unadmitted[r["tenant"]] = self.unadmitted.get(r["tenant"], 0) + 1
+        self.served = dict.fromkeys(self.unadmitted, 0)
+        self.open = len(self.unadmitted) > 1
+        self.num_steps = 0
+
+    def saw(self, plan, requests: dict) -> None:
+        """Count one step's plan (before its update)."""
+        if not self.open:
+            return
+        for rid, n in plan.num_scheduled_tokens.items():
+            self.served[requests[rid].tenant] += n
+        for new in plan.new_requests:
+            if not new.resumed:
+                tenant = requests[new.request_id].tenant
+                self.unadmitted[tenant] -= 1
+                if not self.unadmitted[tenant]:
+                    self.open = False
+        self.num_steps += 1
+
+    def figures(self) -> dict:
+        xs = list(self.served.values())
+        if len(xs) < 2 or not any(xs):
+            return {}
+        return {"jain_backlogged": round(sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)), 4),
+                "backlogged_steps": self.num_steps}
 
 
 def waiting_scaling(num_waiting: int, policy: str = "priority", num_tenants: int = 2,
