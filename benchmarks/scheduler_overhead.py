@@ -218,14 +218,16 @@ def replay(records: list[dict], engine: dict, policy: str = "fcfs", prefix_cachi
 
 class TenantService:
     """Tokens scheduled per tenant while every tenant of the trace still has a
-    request that was never admitted (on traces whose records name tenants). In
+    request that was never admitted (on traces whose records name tenants and
+    arrive in one step, as `backlog`'s: a tenant yet to arrive is no backlog). In
     that window every tenant is backlogged, so max-min fairness gives each the
     same share, and Jain's index of the tokens served measures how close the
     step came to it: 1 is equal service, 1 / tenants is one tenant served."""
 
     def __init__(self, records: list[dict]) -> None:
         self.unadmitted: dict[str, int] = {}
-        if records and all("tenant" in r for r in records):
+        if (records and all("tenant" in r for r in records)
+                and len({r["arrival_step"] for r in records}) == 1):
             for r in records:
                 self.unadmitted[r["tenant"]] = self.unadmitted.get(r["tenant"], 0) + 1
         self.served = dict.fromkeys(self.unadmitted, 0)

@@ -185,7 +185,7 @@ def test_tenant_service_is_jains_index_over_the_backlogged_window():
     """Equal service scores 1, one tenant served alone 1 / tenants; the window
     closes with the step that admits a tenant's last request."""
     from types import SimpleNamespace as NS
-    records = [{"tenant": t} for t in ("a", "a", "b", "b")]
+    records = [{"tenant": t, "arrival_step": 0} for t in ("a", "a", "b", "b")]
     reqs = {"a1": NS(tenant="a"), "a2": NS(tenant="a"), "b1": NS(tenant="b"), "b2": NS(tenant="b")}
 
     def plan(tokens, admitted):
@@ -201,3 +201,6 @@ def test_tenant_service_is_jains_index_over_the_backlogged_window():
     alone.saw(plan({"a1": 1, "a2": 8}, ["a2"]), reqs)
     assert alone.figures()["jain_backlogged"] == 0.5
     assert scheduler_overhead.TenantService([{"id": 1}]).figures() == {}
+    staggered = scheduler_overhead.TenantService([{**r, "arrival_step": i} for i, r in enumerate(records)])
+    staggered.saw(plan({"a1": 8}, ["a1"]), reqs)
+    assert staggered.figures() == {}  # a tenant yet to arrive is no backlog
