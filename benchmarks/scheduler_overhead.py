@@ -33,6 +33,10 @@ Prints one JSON line per run. Usage:
         # traces of the preset's shape drawn from other seeds (a family the
         # defaults were not tuned on), and per cell a summary line over them:
         # mean and worst steps ratio to the vLLM model, seeds behind, preemptions
+    python benchmarks/scheduler_overhead.py --matrix --vllm --set starvation_skip_limit=0 \
+        --set admission_growth_share=0
+        # the same with SchedulerConfig fields overridden (repeatable; each row
+        # records them under "overrides"): to measure a trade-off, not a default
     python benchmarks/scheduler_overhead.py --waiting-scaling  # 1,000 vs 100,000 waiting, every policy
 """
 
@@ -46,6 +50,8 @@ import statistics
 import sys
 import time
 
+import attrs
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from vllm_model import replay as vllm_replay, wait_figures  # noqa: E402
@@ -53,6 +59,7 @@ from workloads import PRESETS, engine_config, generate, load, output_token, prom
 
 from cadence.statemachine.blocks import block_keys_for  # noqa: E402
 from cadence.statemachine.config import CacheConfig, SchedulerConfig  # noqa: E402
+from cadence.statemachine.errors import ConfigError  # noqa: E402
 from cadence.statemachine.plan import StepResult  # noqa: E402
 from cadence.statemachine.request import Request, SamplingLimits  # noqa: E402
 from cadence.statemachine.scheduler import Scheduler  # noqa: E402
@@ -87,6 +94,46 @@ def make_scheduler(engine: dict, policy: str, prefix_caching: bool, **overrides)
     cache = CacheConfig(num_blocks=engine["num_gpu_blocks"], block_size=engine["block_size"],
                         enable_prefix_caching=prefix_caching)
     return Scheduler(sched, cache)
+
+
+# Fields each run sets from the preset's engine and the command line itself.
+ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                 "enable_chunked_prefill", "policy")
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """`NAME=VALUE` strings as SchedulerConfig overrides, each value read as its
+    field's type (a bool as true/false, on/off or 1/0) and the whole checked by
+    building a config; a ValueError names the field at fault."""
+    fields = attrs.fields_dict(SchedulerConfig)
+    out: dict = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set wants NAME=VALUE, got {item!r}")
+        if name in ENGINE_FIELDS:
+            raise ValueError(f"--set {name}: set by the preset or the command line, not here")
+        if name not in fields:
+            raise ValueError(f"--set {name}: not a SchedulerConfig field")
+        default = fields[name].default
+        kind = type(default.factory() if isinstance(default, attrs.Factory) else default)
+        try:
+            if kind is bool:
+                if text.lower() not in ("true", "false", "on", "off", "1", "0"):
+                    raise ValueError(text)
+                value = text.lower() in ("true", "on", "1")
+            elif kind in (int, float):
+                value = kind(text)
+            else:
+                value = text
+        except ValueError:
+            raise ValueError(f"--set {name}: {text!r} is not a {kind.__name__}") from None
+        out[name] = value
+    try:
+        SchedulerConfig(**out)
+    except (ConfigError, ValueError, TypeError) as e:
+        raise ValueError(f"--set: {e}") from None
+    return out
 
 
 def tokens_floor(records: list[dict], block_size: int, prefix_caching: bool) -> int:
@@ -342,7 +389,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="also append the JSON lines to this file")
     ap.add_argument("--repeat", type=int, default=1, help="runs per preset; the median run is printed")
     ap.add_argument("--waiting-scaling", action="store_true")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="override a SchedulerConfig field in every run; repeatable")
     args = ap.parse_args(argv)
+    try:
+        overrides = parse_overrides(args.set)
+    except ValueError as e:
+        ap.error(str(e))
     out_file = open(args.out, "a") if args.out else None
 
     def emit(row: dict) -> None:
@@ -380,12 +433,13 @@ def main(argv: list[str] | None = None) -> int:
                     # The vLLM model reads no clock: one run serves every clock scale.
                     vllm = vllm_replay(records, engine, on, policy=vllm_policy) if args.vllm else None
                     for step_s in clocks:
-                        results = [replay(records, engine, policy, on, mode, step_s)
+                        results = [replay(records, engine, policy, on, mode, step_s, **overrides)
                                    for _ in range(args.repeat)]
                         results.sort(key=lambda r: r["sched_total_s"])
                         row = {"bench": "scheduler_overhead", "preset": name, "policy": policy,
                                "max_tokens": mode, "prefix_caching": on, "step_s": step_s,
                                **({"seed": seed} if seed is not None else {}),
+                               **({"overrides": overrides} if overrides else {}),
                                **results[len(results) // 2]}
                         if vllm is not None:
                             row["vllm"] = vllm
@@ -417,6 +471,8 @@ def seed_family(rows: list[dict]) -> list[dict]:
             "steps_ratio_mean": round(statistics.mean(ratios), 4),
             "steps_ratio_max": round(max(ratios), 4),
             "seeds_behind": sum(x > 1 for x in ratios),
+            "steps_behind": sum(max(0, r["steps"] - r["vllm"]["steps"]) for r in rs),
+            **({"overrides": rs[0]["overrides"]} if "overrides" in rs[0] else {}),
             "preemptions": sum(r["preemptions"] for r in rs),
             "vllm_preemptions": sum(r["vllm"]["preemptions"] for r in rs),
             "tokens_ratio": round(sum(r["tokens_scheduled"] for r in rs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -204,3 +205,27 @@ def test_tenant_service_is_jains_index_over_the_backlogged_window():
     staggered = scheduler_overhead.TenantService([{**r, "arrival_step": i} for i, r in enumerate(records)])
     staggered.saw(plan({"a1": 8}, ["a1"]), reqs)
     assert staggered.figures() == {}  # a tenant yet to arrive is no backlog
+
+
+def test_set_overrides_reach_the_scheduler_and_bad_ones_name_the_field(capsys):
+    assert scheduler_overhead.parse_overrides(
+        ["starvation_skip_limit=0", "admission_growth_share=0.5", "async_scheduling=on"]) == {
+            "starvation_skip_limit": 0, "admission_growth_share": 0.5, "async_scheduling": True}
+    for bad, field in (("no_such_field=1", "no_such_field"), ("max_num_seqs=4", "max_num_seqs"),
+                       ("starvation_skip_limit=x", "starvation_skip_limit"),
+                       ("async_scheduling=maybe", "async_scheduling"),
+                       ("max_lookahead=-1", "max_lookahead"), ("max_lookahead", "NAME=VALUE")):
+        with pytest.raises(ValueError, match=field):
+            scheduler_overhead.parse_overrides([bad])
+    # The same trace under a strict head-of-line queue decides differently, and
+    # the row says what it ran with.
+    args = ["--preset", "nano", "--caching", "off", "--max-tokens", "generous"]
+    assert scheduler_overhead.main(args) == 0
+    plain = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert scheduler_overhead.main(args + ["--set", "starvation_skip_limit=0"]) == 0
+    strict = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert "overrides" not in plain and strict["overrides"] == {"starvation_skip_limit": 0}
+    assert (strict["steps"], strict["preemptions"]) != (plain["steps"], plain["preemptions"])
+    with pytest.raises(SystemExit):
+        scheduler_overhead.main(args + ["--set", "no_such_field=1"])
+    assert "no_such_field" in capsys.readouterr().err
