@@ -124,10 +124,13 @@ def parse_overrides(items: list[str]) -> dict:
                 value = text.lower() in ("true", "on", "1")
             elif kind in (int, float):
                 value = kind(text)
+            elif default is None:  # an optional number: none, or what the text reads as
+                value = None if text.lower() == "none" else float(text) if "." in text else int(text)
             else:
                 value = text
         except ValueError:
-            raise ValueError(f"--set {name}: {text!r} is not a {kind.__name__}") from None
+            what = "number or none" if default is None else kind.__name__
+            raise ValueError(f"--set {name}: {text!r} is not a {what}") from None
         out[name] = value
     try:
         SchedulerConfig(**out)

@@ -211,6 +211,8 @@ def test_set_overrides_reach_the_scheduler_and_bad_ones_name_the_field(capsys):
     assert scheduler_overhead.parse_overrides(
         ["starvation_skip_limit=0", "admission_growth_share=0.5", "async_scheduling=on"]) == {
             "starvation_skip_limit": 0, "admission_growth_share": 0.5, "async_scheduling": True}
+    assert scheduler_overhead.parse_overrides(["max_batch_size=4"]) == {"max_batch_size": 4}
+    assert scheduler_overhead.parse_overrides(["max_batch_size=none"]) == {"max_batch_size": None}
     for bad, field in (("no_such_field=1", "no_such_field"), ("max_num_seqs=4", "max_num_seqs"),
                        ("starvation_skip_limit=x", "starvation_skip_limit"),
                        ("async_scheduling=maybe", "async_scheduling"),
