@@ -399,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides = parse_overrides(args.set)
     except ValueError as e:
         ap.error(str(e))
+    if overrides and args.waiting_scaling:
+        ap.error("--set applies to trace replays, not --waiting-scaling")
     out_file = open(args.out, "a") if args.out else None
 
     def emit(row: dict) -> None:

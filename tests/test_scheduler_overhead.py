@@ -231,3 +231,6 @@ def test_set_overrides_reach_the_scheduler_and_bad_ones_name_the_field(capsys):
     with pytest.raises(SystemExit):
         scheduler_overhead.main(args + ["--set", "no_such_field=1"])
     assert "no_such_field" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # that mode builds its own schedulers: refused, not ignored
+        scheduler_overhead.main(["--waiting-scaling", "--set", "starvation_skip_limit=0"])
+    assert "--waiting-scaling" in capsys.readouterr().err
