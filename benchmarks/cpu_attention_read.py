@@ -7,7 +7,8 @@ matter of memory bandwidth. A benchmark over one layer's cache measures
 something else: the cache fits in L3 and reads from it run at twice the
 memory's pace. This one keeps `--layers` layers of random-valued caches (the
 blocks of each sequence scattered in random order, as a long-running engine
-leaves them) and attends over all of them per step, as the model does; it
+leaves them, in one mapping advised for huge pages as the runner's cache is) and
+attends over all of them per step, as the model does; it
 prints the bytes read per second next to a plain streaming read
 (`cpu_peers.memory_bandwidth_gb_s`, the figure `cpu_peers.py limit` compares
 the batch-1 decode with) on the same threads.
@@ -25,6 +26,8 @@ import time
 import torch
 from cpu_peers import emit, memory_bandwidth_gb_s
 
+from cadence.gpu.runner import zeroed_cpu_tensor
+
 
 def attention_read(kernels, *, batch: int, context: int, block_size: int, layers: int, heads: int,
                    kv_heads: int, head_dim: int, dtype: torch.dtype, steps: int, seed: int = 0) -> dict:
@@ -32,11 +35,11 @@ def attention_read(kernels, *, batch: int, context: int, block_size: int, layers
     generator = torch.Generator().manual_seed(seed)
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq
-    caches = [
-        tuple(torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to(dtype)
-              for _ in range(2))
-        for _ in range(layers)
-    ]
+    # One mapping for every layer's keys and values, as the runner allocates its cache
+    # (`zeroed_cpu_tensor`: private, advised for huge pages).
+    memory = zeroed_cpu_tensor((layers, 2, num_blocks, block_size, kv_heads, head_dim), dtype)
+    memory.copy_(torch.randn(memory.shape, generator=generator).to(dtype))
+    caches = [(memory[layer, 0], memory[layer, 1]) for layer in range(layers)]
     tables = torch.randperm(num_blocks, generator=generator).to(torch.int32).view(batch, blocks_per_seq)
     lens = torch.full((batch,), context, dtype=torch.int32)
     query = torch.randn(batch, heads, head_dim, generator=generator).to(dtype)

@@ -306,10 +306,20 @@ void attention_avx512(const torch::Tensor& query, const torch::Tensor& k_cache, 
       }
       auto slot = [&](const scalar_t* cache, int64_t pos) { return cache + slots[pos]; };
       const int64_t task_bytes = ((task.num_heads - 1) * shape.kv_stride_head + head_dim) * sizeof(scalar_t);
+      // Into L2, not L1: prefetches to L1 held the core's few L1 miss slots and stalled
+      // (float32, 1 thread, batch 64 x 192 positions, 12 cold layers: 8 GB/s read to L1,
+      // 13 to L2 together with the prefetches below, against 24 streaming).
       auto prefetch = [&](const scalar_t* cache, int64_t pos) {
         const char* first = reinterpret_cast<const char*>(slot(cache, pos));
-        for (int64_t offset = 0; offset < task_bytes; offset += kCacheLine) __builtin_prefetch(first + offset);
+        for (int64_t offset = 0; offset < task_bytes; offset += kCacheLine) __builtin_prefetch(first + offset, 0, 1);
       };
+      // The first tiles' keys and values at once; the scores' pass then fetches the keys
+      // kAhead tiles on and the values beside them, so that the values' pass finds them
+      // in the cache (a sequence's context of a few hundred positions fits the L2).
+      for (int64_t p = 0, e = std::min(len, kAhead * kTile); p < e; ++p) {
+        prefetch(shape.k_ptr, p);
+        prefetch(shape.v_ptr, p);
+      }
       q.resize(rows * kQuery);
       limits.resize(rows);
       for (int64_t h = 0; h < task.num_heads; ++h) {
@@ -336,6 +346,7 @@ void attention_avx512(const torch::Tensor& query, const torch::Tensor& k_cache, 
           for (int64_t r = h * head_rows; r < (h + 1) * head_rows; ++r) {
             for (int64_t p = ahead + r * kTile / rows, e = std::min(ahead_end, ahead + (r + 1) * kTile / rows); p < e; ++p) {
               prefetch(shape.k_ptr, p);
+              prefetch(shape.v_ptr, p);
             }
             __m512 dots[kTile];
             for (int64_t p = 0; p < kTile; ++p) {
@@ -356,6 +367,23 @@ void attention_avx512(const torch::Tensor& query, const torch::Tensor& k_cache, 
       }
       // Each row's softmax over the positions it sees; the rest weigh nothing.
       for (int64_t r = 0; r < rows; ++r) softmax_row(scores.data() + r * len, limits[r], len);
+      // This task's values are on their way; start the next task's first tiles, so that
+      // it does not begin by waiting for memory.
+      if (index + 1 < end) {
+        const AttentionTask& next = tasks[index + 1];
+        const int64_t next_len = std::min(kAhead * kTile, shape.lens[next.seq] - (starts[next.seq + 1] - starts[next.seq])
+                                                              + next.first_token + next.num_tokens);
+        const int32_t* next_table = shape.tables + next.seq * shape.table_width;
+        const int64_t next_bytes = ((next.num_heads - 1) * shape.kv_stride_head + head_dim) * sizeof(scalar_t);
+        for (int64_t p = 0; p < next_len; ++p) {
+          const int64_t at = static_cast<int64_t>(next_table[p / shape.block_size]) * shape.kv_stride_block +
+                             (p % shape.block_size) * shape.kv_stride_slot + next.first_kv * shape.kv_stride_head;
+          for (const scalar_t* cache : {shape.k_ptr, shape.v_ptr}) {
+            const char* first = reinterpret_cast<const char*>(cache + at);
+            for (int64_t offset = 0; offset < next_bytes; offset += kCacheLine) __builtin_prefetch(first + offset, 0, 1);
+          }
+        }
+      }
       // Values: rows of one KV head kRows at a time, in registers over a tile of positions.
       acc.assign(rows * head_dim, 0.0f);
       for (int64_t first = 0; first < len; first += kTile) {
