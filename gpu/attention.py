@@ -45,6 +45,20 @@ class AttentionMetadata:
     padded_layout: PaddedLayout | None = attrs.field(default=None, repr=False, eq=False)
 
 
+def last_rows_metadata(meta: AttentionMetadata, rows: torch.Tensor, seqs: torch.Tensor) -> AttentionMetadata:
+    """The metadata of a step cut down to the last query row of each sequence in
+    `seqs` (rows `rows` of the step's tokens): each such row is then a one-token
+    query over its sequence's whole context, as a decode is. `max_seq_len` stays the
+    step's, a bound the backends take."""
+    num = rows.shape[0]
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping[rows],
+        query_start_loc=torch.arange(num + 1, dtype=torch.int32, device=rows.device),
+        seq_lens=meta.seq_lens[seqs], block_tables=meta.block_tables[seqs],
+        max_query_len=1, max_seq_len=meta.max_seq_len, num_decode_seqs=num,
+    )
+
+
 def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,

@@ -16,15 +16,26 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import attrs
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .attention import AttentionBackend, AttentionMetadata
+from .attention import AttentionBackend, AttentionMetadata, last_rows_metadata
 from .config import ModelConfig, RopeScaling
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 INIT_STD = 0.02
+
+
+@attrs.frozen
+class LastRows:
+    """The rows of a step whose final hidden states are wanted: `rows` [N] int64, the
+    last token row of each sequence `seqs` [N] int64 (ascending, on the model's
+    device). The others need only their keys and values written."""
+
+    rows: torch.Tensor
+    seqs: torch.Tensor
 
 
 class Linear(nn.Linear):
@@ -150,8 +161,11 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        keep: LastRows | None = None,
     ) -> torch.Tensor:
-        """Write this step's K/V to the cache and attend; hidden [T, hidden_size]."""
+        """Write this step's K/V to the cache and attend; hidden [T, hidden_size]. With
+        `keep`, every token's K/V is written but only the kept rows attend: the
+        result is [len(rows), hidden_size]."""
         num_tokens = hidden.shape[0]
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(hidden).split(self.qkv_sizes, dim=-1)
@@ -168,14 +182,17 @@ class Attention(nn.Module):
                              eps=self.q_norm.eps)
             q = self.fused.rope_and_write_kv(q, k, v, *rope, k_cache, v_cache, meta.slot_mapping,
                                              **norms)
-            out = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale)
-            return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        self.backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            self.backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        if keep is not None:
+            if not keep.rows.shape[0]:
+                return hidden.new_empty(0, hidden.shape[1])
+            q, meta = q[keep.rows], last_rows_metadata(meta, keep.rows, keep.seqs)
         out = self.backend.paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(q.shape[0], self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -230,9 +247,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.mlp = MLP(config, dtype, device)
 
-    def forward(self, hidden, rope, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        """Run the block on hidden [T, hidden_size]."""
-        attn = self.self_attn(self.input_layernorm(hidden), rope, kv_cache, meta)
+    def forward(self, hidden, rope, kv_cache: KVCache, meta: AttentionMetadata,
+                keep: LastRows | None = None) -> torch.Tensor:
+        """Run the block on hidden [T, hidden_size]; with `keep`, every token's K/V is
+        written and the output is the kept rows' only."""
+        attn = self.self_attn(self.input_layernorm(hidden), rope, kv_cache, meta, keep)
+        if keep is not None:
+            if not attn.shape[0]:
+                return attn  # no row kept: only the K/V were wanted
+            hidden = hidden[keep.rows]
         normed, hidden = self.post_attention_layernorm.add_and_norm(attn, hidden)
         # `hidden` is the sum add_and_norm just made, this layer's own to add into.
         return self.mlp(normed, residual=hidden)
@@ -252,20 +275,29 @@ class DecoderStack(nn.Module):
         # The CPU kernels' decode-step stack (`cpu_kernels.decode_stack`), set with them.
         self.decode_stack = None
 
-    def forward(self, input_ids, positions, kv_caches: Sequence[KVCache], meta) -> torch.Tensor:
-        """Final hidden states [T, hidden_size] of tokens input_ids [T] at positions [T]."""
+    def forward(self, input_ids, positions, kv_caches: Sequence[KVCache], meta,
+                keep: LastRows | None = None) -> torch.Tensor:
+        """Final hidden states [T, hidden_size] of tokens input_ids [T] at positions [T];
+        with `keep`, those of its rows only, [len(keep.rows), hidden_size].
+
+        Only the last layer's K/V is needed of a row that is not kept: that layer's
+        attention output, o_proj and MLP are computed for the kept rows alone (in a
+        step of long prompts, most of one layer's work)."""
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary_emb(positions, hidden.dtype)
         num_tokens = hidden.shape[0]
+        if keep is not None and keep.rows.shape[0] == num_tokens:
+            keep = None  # every row is kept, in order (a decode step): nothing to cut
         if (self.decode_stack is not None and meta.num_decode_seqs == num_tokens
                 and kv_caches[0][0].dtype == hidden.dtype):
             # A decode step: every layer in one call of the CPU kernels (the same results).
             cos, sin = (table.view(num_tokens, -1) for table in rope)
             return self.decode_stack.forward(hidden, cos, sin, [cache for pair in kv_caches for cache in pair],
                                              meta.slot_mapping, meta.block_tables, meta.seq_lens)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, rope, kv_cache, meta)
-        return self.norm(hidden)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            hidden = layer(hidden, rope, kv_cache, meta, keep if i == last else None)
+        return self.norm(hidden) if hidden.shape[0] else hidden
 
 
 class CausalLM(nn.Module):
@@ -288,9 +320,11 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: Sequence[KVCache],
         meta: AttentionMetadata,
+        keep: LastRows | None = None,
     ) -> torch.Tensor:
-        """Final hidden states [T, hidden_size]; K/V of these tokens are written to `kv_caches`."""
-        return self.model(input_ids, positions, kv_caches, meta)
+        """Final hidden states [T, hidden_size], or of `keep`'s rows only; K/V of every
+        token is written to `kv_caches`."""
+        return self.model(input_ids, positions, kv_caches, meta, keep)
 
     def set_attention_backend(self, backend: AttentionBackend) -> AttentionBackend:
         """Make every layer attend through `backend`; returns the backend the first layer used before."""

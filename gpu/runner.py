@@ -38,7 +38,7 @@ from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs, DecodeInputs, StagingBuffer, graph_batch_sizes
 from .worklist import BalanceConfig
 from .loader import load_weights
-from .model import build_model, init_random_weights
+from .model import LastRows, build_model, init_random_weights
 from .sampler import Sampler, restricted
 from .threads import AUTO, SMALL_MODEL_MACS, macs_per_token, pin_compute_threads, resolve_num_threads, set_num_threads
 
@@ -619,32 +619,35 @@ class ModelRunner:
             self._free_rows.extend(state.row for state, _ in states)
         return inputs
 
-    def _send(self, batch: HostBatch, sample_seqs: list[int]) -> tuple[StepInputs, torch.Tensor]:
+    def _send(self, batch: HostBatch, sample_seqs: list[int]) -> tuple[StepInputs, LastRows]:
         """The batch on the device in one copy, and the token rows of the sampled sequences."""
-        sample_rows = batch.query_start_loc.long()[1:][int64_tensor(sample_seqs)] - 1
+        seqs = int64_tensor(sample_seqs)
+        sample_rows = batch.query_start_loc.long()[1:][seqs] - 1
         host = [batch.input_ids, batch.positions, batch.slot_mapping, batch.query_start_loc,
-                batch.seq_lens, batch.block_tables, sample_rows]
+                batch.seq_lens, batch.block_tables, sample_rows, seqs]
         device = host if self._staging is None else self._staging.send(host)
-        input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables, rows = device
+        input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables, rows, seqs = device
         meta = AttentionMetadata(
             slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens,
             block_tables=block_tables, max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len,
             num_decode_seqs=batch.num_decode_seqs,
         )
-        return StepInputs(input_ids, positions, meta), rows
+        return StepInputs(input_ids, positions, meta), LastRows(rows, seqs)
 
     def _eager_logits(self, batch: HostBatch, sample_seqs: list[int],
                       prompt_spans: Sequence[tuple[int, CachedRequestState, int, int]] = ()
                       ) -> torch.Tensor | None:
         """Run the flattened batch through the model; logits of the sampled sequences' last
         tokens. The prompt positions of `prompt_spans` are scored on the way."""
-        inputs, rows = self._send(batch, sample_seqs)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        if prompt_spans:
+        inputs, last = self._send(batch, sample_seqs)
+        if prompt_spans:  # every prompt position's hidden state is scored
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
             self._score_prompts(hidden, batch, prompt_spans)
-        if not sample_seqs:
-            return None
-        return self.model.compute_logits(hidden[rows])
+            return self.model.compute_logits(hidden[last.rows]) if sample_seqs else None
+        # The last layer computes only the rows that sample (the others' K/V are all a
+        # later step reads of it).
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, last)
+        return self.model.compute_logits(hidden) if sample_seqs else None
 
     @staticmethod
     def _prompt_spans(scheduled: Sequence[tuple[CachedRequestState, int]]

@@ -67,9 +67,14 @@ def test_decodes_come_first_in_the_attention_metadata(runner):
     finally:
         for layer, backend in zip(runner.model.model.layers, original):
             layer.self_attn.backend = backend
-    meta = seen[-1]
+    meta = seen[-len(runner.model.model.layers)]  # the step's first layer
     assert meta.num_decode_seqs == 1
     assert meta.query_start_loc.tolist() == [0, 1, 6] and meta.seq_lens.tolist() == [3, 5]
+    # The last layer attends for the sampling rows only, each a one-token query over
+    # its whole context.
+    last = seen[-1]
+    assert last.num_decode_seqs == 2 and last.max_query_len == 1
+    assert last.query_start_loc.tolist() == [0, 1, 2] and last.seq_lens.tolist() == [3, 5]
 
 
 def test_random_weights_are_seeded():
@@ -349,3 +354,38 @@ def test_auto_dtype_on_cpu_follows_the_bfloat16_units(monkeypatch):
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
         assert default_dtype(config, torch.device("cpu")) == expected
         assert ModelRunner(config, num_blocks=1, device="cpu").dtype == expected
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "cpu"])
+@pytest.mark.parametrize("cpu_path", ["eager", "packed"])
+def test_the_last_layer_cut_to_the_sampling_rows_keeps_their_values_and_every_rows_kv(backend, cpu_path):
+    from cadence.gpu.model import LastRows
+
+    runner = ModelRunner(preset("tiny"), num_blocks=16, block_size=BLOCK_SIZE, device="cpu",
+                         attention_backend=backend, cpu_path=cpu_path, dtype=torch.float32, seed=3)
+    # A decode over a 6-token context, a whole 7-token prompt (both sample), and the
+    # first chunk of a longer prompt (samples nothing).
+    inputs = runner._build_inputs([([11], 5, [0, 1]), (list(range(20, 27)), 0, [2, 3]),
+                                   (list(range(40, 45)), 0, [4, 5])])
+    meta = inputs.meta
+    seqs = torch.tensor([0, 1])
+    rows = meta.query_start_loc.long()[1:][seqs] - 1
+
+    def forward(keep):
+        for k_cache, v_cache in runner.kv_caches:
+            k_cache.zero_()
+            v_cache.zero_()
+        with torch.inference_mode():
+            hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, meta, keep)
+        return hidden, [t.clone() for pair in runner.kv_caches for t in pair]
+
+    full, full_kv = forward(None)
+    cut, cut_kv = forward(LastRows(rows, seqs))
+    assert cut.shape == (2, full.shape[1])
+    torch.testing.assert_close(cut, full[rows], rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(cut_kv, full_kv))
+    # No row kept (a step of partial prompts): every layer's K/V still written.
+    none, none_kv = forward(LastRows(rows[:0], seqs[:0]))
+    assert none.shape[0] == 0
+    assert all(torch.equal(a, b) for a, b in zip(none_kv, full_kv))
+    assert any(t.abs().sum() > 0 for t in none_kv[-2:])  # the last layer's were written
