@@ -16,6 +16,7 @@ falls back to SDPA over gathered blocks.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import threading
@@ -61,16 +62,51 @@ def load():
         try:
             from torch.utils import cpp_extension
 
+            name = build_name()
+            build_dir = Path(cpp_extension._get_build_directory(name, False))
             flags = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
-            _state["module"] = cpp_extension.load(
-                name=build_name(), sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                verbose=False)
+            with _sole_builder(build_dir):
+                _state["module"] = cpp_extension.load(
+                    name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                    build_directory=str(build_dir), verbose=False)
         except Exception as exc:  # noqa: BLE001 - any build failure means: fall back, and say why
             _state["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
             _log.warning("CPU paged attention kernel unavailable (%s); attention gathers blocks for SDPA",
                          _state["error"])
             return None
         return _state["module"]
+
+
+@contextlib.contextmanager
+def _sole_builder(build_dir: Path):
+    """Hold this build directory alone while torch's builder runs in it.
+
+    Torch's builder marks a build in progress with a plain `lock` file and waits, with
+    no limit and no word, for it to go: a process killed mid-build (Ctrl-C in the
+    first minute, a timeout) leaves the file and every later load hangs. An advisory
+    `flock` on a file beside it is released by the kernel when its holder dies, so
+    whoever holds it knows no live process of ours is building here, and a `lock`
+    file found then is stale and removed. Without `fcntl` (not POSIX) torch's own
+    lock alone serves."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(build_dir / "cadence-build.flock", "a+b") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _log.warning("waiting for another process building the CPU kernels in %s", build_dir)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            baton = build_dir / "lock"
+            if baton.exists():
+                _log.warning("removing %s, left by a build that did not finish", baton)
+                baton.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def is_built() -> bool:

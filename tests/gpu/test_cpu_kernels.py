@@ -4,6 +4,8 @@ torch's plain ones."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -152,6 +154,45 @@ def test_the_kernel_build_is_keyed_by_source_and_cpu(monkeypatch, tmp_path):
     copy.write_bytes(cpu_kernels.SOURCE.read_bytes())
     monkeypatch.setattr(cpu_kernels, "SOURCE", copy)
     assert cpu_kernels.build_name() != name
+
+
+
+LOAD_AND_REPORT = (
+    "import logging, sys; logging.basicConfig(stream=sys.stderr);"
+    "from cadence.gpu import cpu_kernels;"
+    "ok = cpu_kernels.load() is not None;"
+    "print('loaded' if ok else cpu_kernels.unavailable_reason(), flush=True)")
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load(kernel):
+    """Torch's builder waits forever on a `lock` file a killed build left; the loader
+    removes it when no live process of ours holds the build, and waits while one does."""
+    import fcntl
+    import subprocess
+    import sys
+    from torch.utils import cpp_extension
+
+    build_dir = Path(cpp_extension._get_build_directory(cpu_kernels.build_name(), False))
+    baton = build_dir / "lock"
+    baton.touch()  # a build killed in its first minute leaves this behind
+    done = subprocess.run([sys.executable, "-c", LOAD_AND_REPORT], capture_output=True, text=True, timeout=600)
+    assert done.stdout.strip() == "loaded", done.stderr
+    assert "did not finish" in done.stderr and not baton.exists()
+
+    # A live builder (here: this test, holding the build) is waited for, not swept aside.
+    with open(build_dir / "cadence-build.flock", "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        baton.touch()
+        waiting = subprocess.Popen([sys.executable, "-c", LOAD_AND_REPORT], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+        try:
+            line = waiting.stderr.readline()  # blocks until the loader reports it waits
+            assert "waiting for another process" in line and waiting.poll() is None and baton.exists()
+        finally:
+            baton.unlink(missing_ok=True)  # the builder finishes: torch removes its lock
+            fcntl.flock(handle, fcntl.LOCK_UN)
+        out, err = waiting.communicate(timeout=600)
+    assert out.strip() == "loaded", err
 
 
 # ---- prepacked products
