@@ -299,9 +299,12 @@ def _server_command(engine: str, python: str, directory: Path, dtype: str, threa
     """The command line and environment of one engine's OpenAI server."""
     env = dict(os.environ)
     if engine == "cadence":
+        # The same KV cache in bytes as vLLM's (a server cycles through its whole cache
+        # as requests come and go, so the cache's size shows in the peak memory).
+        blocks = [] if "--num-blocks" in extra else ["--num-blocks", str(kv_blocks(directory, dtype))]
         argv = [python, "-m", "cadence.actors.cli", "serve", "--model", str(directory), "--dtype", dtype,
                 "--threads", str(threads), "--http-port", str(port), "--port", "0",
-                "--max-model-len", str(PROMPT_LEN + OUTPUT_LEN + 16), *extra]
+                "--max-model-len", str(PROMPT_LEN + OUTPUT_LEN + 16), *blocks, *extra]
     else:
         env["VLLM_CPU_KVCACHE_SPACE"] = VLLM_CACHE_GIB
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if threads == 1 else f"0-{threads - 1}"
@@ -309,6 +312,17 @@ def _server_command(engine: str, python: str, directory: Path, dtype: str, threa
                 "--dtype", dtype, "--port", str(port), "--host", "127.0.0.1",
                 "--max-model-len", str(PROMPT_LEN + OUTPUT_LEN + 16), "--served-model-name", "model", *extra]
     return argv, env
+
+
+def kv_blocks(directory: Path, dtype: str, gib: float = float(VLLM_CACHE_GIB), block_size: int = 16) -> int:
+    """Cadence's KV blocks (of `block_size` tokens) in `gib` GiB of cache for the model in
+    `directory` at `dtype`: the cache vLLM gets from VLLM_CPU_KVCACHE_SPACE."""
+    from cadence.gpu.config import ModelConfig
+
+    config = ModelConfig.from_pretrained(directory)
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    block_bytes = config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * itemsize
+    return int(gib * (1 << 30)) // block_bytes
 
 
 def _post_stream(port: int, body: dict, timeout_s: float = 600.0):
@@ -485,7 +499,7 @@ def serve(args: argparse.Namespace) -> None:
                                                  args.concurrency, args.num_requests, extra):
                             emit(mode="serve", engine=engine, dtype=dtype, threads=threads, rep=rep,
                                  busy=args.busy, model=Path(directory).name, cadence_async=args.cadence_async,
-                                 cadence_extra=args.cadence_extra,
+                                 cadence_extra=args.cadence_extra, kv_cache_gib=float(VLLM_CACHE_GIB),
                                  **record)
                             key = (record["figure"], record.get("concurrency"))
                             figures.setdefault(key + (engine,), []).append(record)

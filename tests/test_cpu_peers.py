@@ -32,3 +32,24 @@ def test_peak_rss_counts_the_memory_of_a_child_still_running():
     out = subprocess.run([sys.executable, "-c", PARENT], capture_output=True, text=True, timeout=60, check=True)
     during = json.loads(out.stdout.strip().splitlines()[-1])["during"]
     assert during >= CHILD_MIB * 0.9, during
+
+
+def test_cadence_serves_with_the_kv_cache_bytes_vllm_is_given(tmp_path):
+    """Both servers get the same KV cache in bytes, so neither's peak memory carries a
+    larger cache; an explicit --num-blocks in the extra options wins."""
+    sys.path.insert(0, BENCHMARKS)
+    import cpu_peers
+    from cadence.gpu.config import ModelConfig
+
+    hf = dict(cpu_peers.MODEL_SHAPE, model_type="llama", architectures=["LlamaForCausalLM"])
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    config = ModelConfig.from_pretrained(tmp_path)
+    per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim
+    for dtype, itemsize in (("float32", 4), ("bfloat16", 2)):
+        argv, _ = cpu_peers._server_command("cadence", sys.executable, tmp_path, dtype, 2, 9000, [])
+        blocks = int(argv[argv.index("--num-blocks") + 1])
+        budget = float(cpu_peers.VLLM_CACHE_GIB) * (1 << 30)
+        assert budget - 16 * per_token * itemsize < blocks * 16 * per_token * itemsize <= budget
+    argv, _ = cpu_peers._server_command("cadence", sys.executable, tmp_path, "float32", 2, 9000,
+                                        ["--num-blocks", "77"])
+    assert argv.count("--num-blocks") == 1 and argv[argv.index("--num-blocks") + 1] == "77"
