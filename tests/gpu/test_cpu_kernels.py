@@ -164,6 +164,26 @@ LOAD_AND_REPORT = (
     "print('loaded' if ok else cpu_kernels.unavailable_reason(), flush=True)")
 
 
+def _output_saying(stream, text: str, timeout_s: float) -> str | None:
+    """Whether `stream` (a pipe, read unbuffered) says `text` before `timeout_s` passes
+    or it ends: what it said up to then, or None."""
+    import os
+    import select
+    import time
+
+    deadline, said = time.monotonic() + timeout_s, b""
+    while (left := deadline - time.monotonic()) > 0:
+        if not select.select([stream], [], [], left)[0]:
+            return None
+        chunk = os.read(stream.fileno(), 65536)
+        if not chunk:
+            return None
+        said += chunk
+        if text.encode() in said:
+            return said.decode(errors="replace")
+    return None
+
+
 def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load(kernel):
     """Torch's builder waits forever on a `lock` file a killed build left; the loader
     removes it when no live process of ours holds the build, and waits while one does."""
@@ -186,8 +206,8 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load(kernel)
         waiting = subprocess.Popen([sys.executable, "-c", LOAD_AND_REPORT], stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True)
         try:
-            line = waiting.stderr.readline()  # blocks until the loader reports it waits
-            assert "waiting for another process" in line and waiting.poll() is None and baton.exists()
+            said = _output_saying(waiting.stderr, "waiting for another process", timeout_s=300)
+            assert said and waiting.poll() is None and baton.exists()
         finally:
             baton.unlink(missing_ok=True)  # the builder finishes: torch removes its lock
             fcntl.flock(handle, fcntl.LOCK_UN)
