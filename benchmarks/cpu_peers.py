@@ -301,7 +301,8 @@ def _server_command(engine: str, python: str, directory: Path, dtype: str, threa
     if engine == "cadence":
         # The same KV cache in bytes as vLLM's (a server cycles through its whole cache
         # as requests come and go, so the cache's size shows in the peak memory).
-        blocks = [] if "--num-blocks" in extra else ["--num-blocks", str(kv_blocks(directory, dtype))]
+        given = any(arg.split("=")[0] == "--num-blocks" for arg in extra)
+        blocks = [] if given else ["--num-blocks", str(kv_blocks(directory, dtype))]
         argv = [python, "-m", "cadence.actors.cli", "serve", "--model", str(directory), "--dtype", dtype,
                 "--threads", str(threads), "--http-port", str(port), "--port", "0",
                 "--max-model-len", str(PROMPT_LEN + OUTPUT_LEN + 16), *blocks, *extra]
@@ -319,9 +320,8 @@ def kv_blocks(directory: Path, dtype: str, gib: float = float(VLLM_CACHE_GIB), b
     `directory` at `dtype`: the cache vLLM gets from VLLM_CPU_KVCACHE_SPACE."""
     from cadence.gpu.config import ModelConfig
 
-    config = ModelConfig.from_pretrained(directory)
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
-    block_bytes = config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * itemsize
+    block_bytes = block_size * ModelConfig.from_pretrained(directory).kv_bytes_per_token(itemsize)
     return int(gib * (1 << 30)) // block_bytes
 
 

@@ -246,7 +246,7 @@ def workload_floor(config, workload, *, bytes_per_s: float, flop_per_s: float, d
     per_layer = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
     body = c.num_layers * per_layer
     head = c.vocab_size * c.hidden_size
-    kv_per_token = 2 * c.num_layers * kv * dtype_bytes
+    kv_per_token = c.kv_bytes_per_token(dtype_bytes)
     prompts = [len(p) for p in workload.prompts]
     outputs = list(workload.output_lens)
     decode_steps = max(outputs) - 1

@@ -92,6 +92,13 @@ class ModelConfig:
             return self.max_position_embeddings
         return min(self.max_position_embeddings, self.sliding_window)
 
+    def kv_bytes_per_token(self, element_size: int, num_kv_heads: int | None = None) -> int:
+        """Bytes one token's keys and values take across all layers, at `element_size`
+        bytes an element, for `num_kv_heads` KV heads (default: all of them; a tensor-
+        parallel rank holds its share)."""
+        heads = self.num_kv_heads if num_kv_heads is None else num_kv_heads
+        return 2 * self.num_layers * heads * self.head_dim * element_size
+
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any], source: str = CONFIG_FILE) -> ModelConfig:
         """Build from a parsed Hugging Face config.json; `source` names it in errors."""

@@ -479,9 +479,8 @@ class ModelRunner:
 
     def kv_block_bytes(self) -> int:
         """Bytes one block takes across all layers, K and V."""
-        c = self.config
         element_size = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * c.num_layers * self.block_size * self.num_local_kv_heads * c.head_dim * element_size
+        return self.block_size * self.config.kv_bytes_per_token(element_size, self.num_local_kv_heads)
 
     def reset(self) -> None:
         """Forget every request (executor restart); cache contents are left as they are."""

@@ -50,6 +50,6 @@ def test_cadence_serves_with_the_kv_cache_bytes_vllm_is_given(tmp_path):
         blocks = int(argv[argv.index("--num-blocks") + 1])
         budget = float(cpu_peers.VLLM_CACHE_GIB) * (1 << 30)
         assert budget - 16 * per_token * itemsize < blocks * 16 * per_token * itemsize <= budget
-    argv, _ = cpu_peers._server_command("cadence", sys.executable, tmp_path, "float32", 2, 9000,
-                                        ["--num-blocks", "77"])
-    assert argv.count("--num-blocks") == 1 and argv[argv.index("--num-blocks") + 1] == "77"
+    for given in (["--num-blocks", "77"], ["--num-blocks=77"]):
+        argv, _ = cpu_peers._server_command("cadence", sys.executable, tmp_path, "float32", 2, 9000, given)
+        assert [a for a in argv if a.startswith("--num-blocks")] == given[:1] and argv[-len(given):] == given

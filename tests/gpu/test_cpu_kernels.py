@@ -156,7 +156,6 @@ def test_the_kernel_build_is_keyed_by_source_and_cpu(monkeypatch, tmp_path):
     assert cpu_kernels.build_name() != name
 
 
-
 LOAD_AND_REPORT = (
     "import logging, sys; logging.basicConfig(stream=sys.stderr);"
     "from cadence.gpu import cpu_kernels;"
