@@ -9,9 +9,10 @@ close to the time budget is skipped and says so):
   cadence   the nano workload through the scheduling core and the runner, qwen3-0.6b
             shapes with Cadence's own random bf16 weights: CUDA graphs on, then off;
             tokens/s, GPU busy and idle time, graph-on and graph-off outputs compared
-  fused, balanced, fused_balanced
-            the workload again with fused RMSNorm/SwiGLU kernels, length-balanced decode
-            attention, and both: tokens/s against the plain run, greedy tokens compared
+  plain, balanced
+            the workload again with torch's elementwise ops instead of the fused
+            RMSNorm/SwiGLU/rotary kernels (on by default on CUDA), and with length-balanced
+            decode attention: tokens/s against the default run, greedy tokens compared
   greedy    the same weights saved as a Hugging Face checkpoint: Cadence float32
             (graphs on and off) against transformers float32, and Cadence bf16
             against transformers float32, greedy, first requests x first tokens
@@ -190,7 +191,9 @@ def stage_kernels(record: dict, s: Settings, report: Report) -> None:
     timeout = max(10.0, min(s.kernel_timeout_s, report.remaining_s() - 150))
     record.update(command=" ".join(command), timeout_s=timeout)
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+        # The GPU machine has no use for the CPU kernels: no minute of compiling them first.
+        env = {**os.environ, "CADENCE_PREBUILD_CPU_KERNELS": "0"}
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
         stdout, stderr, record["returncode"] = done.stdout, done.stderr, done.returncode
     except subprocess.TimeoutExpired as expired:
         stdout = expired.stdout.decode() if isinstance(expired.stdout, bytes) else (expired.stdout or "")
@@ -299,7 +302,7 @@ def _cadence_options(s: Settings) -> dict:
 
 
 def _make_runner(s: Settings, *, dtype: str, weights: Path | None = None, num_blocks: int | None = None,
-                 max_num_seqs: int | None = None, fused_elementwise: bool = False,
+                 max_num_seqs: int | None = None, fused_elementwise: bool | None = None,
                  balanced_decode_attention: bool = False) -> ModelRunner:
     if s.tp > 1:
         # Ranks 1..tp-1 are spawned on this machine; decode graphs are not used with tp > 1.
@@ -310,7 +313,9 @@ def _make_runner(s: Settings, *, dtype: str, weights: Path | None = None, num_bl
                     max_model_len=s.max_model_len, gpu_memory_utilization=s.gpu_memory_utilization,
                     use_cuda_graphs=False, seed=0)
         return parallel.start_local_runner(s.tp, spec, num_threads=1 if s.dry_run else None)
-    graphs = dict(use_cuda_graphs=True) if s.device == "cuda" else dict(pad_decode_batches=True)
+    # The CPU dry run stands in for the GPU: plain products (as on CUDA), so the weights
+    # stay as parameters and the greedy stage can save them as a checkpoint.
+    graphs = dict(use_cuda_graphs=True) if s.device == "cuda" else dict(pad_decode_batches=True, cpu_path="eager")
     options = dict(
         num_blocks=num_blocks, block_size=16, device=s.device, dtype=dtype, attention_backend=s.attention_backend,
         max_num_seqs=max_num_seqs or s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
@@ -341,7 +346,8 @@ def stage_cadence(record: dict, s: Settings, report: Report, workload, slice_wor
     record.update(init_s=time.perf_counter() - start, num_blocks=runner.num_blocks,
                   kv_cache_gib=runner.num_blocks * runner.kv_block_bytes() / 2**30, dtype=str(runner.dtype),
                   graph_batch_sizes=list(graphs.batch_sizes) if graphs else None,
-                  graphs_captured=bool(graphs and graphs.captured))
+                  graphs_captured=bool(graphs and graphs.captured),
+                  fused_elementwise=runner.model.model.layers[0].mlp.fused is not None)
     report.save()
     on = _timed_run(runner, workload, s)
     record["graphs_on"] = on["record"]
@@ -386,7 +392,7 @@ def stage_cadence(record: dict, s: Settings, report: Report, workload, slice_wor
 
 
 def stage_variant(record: dict, s: Settings, workload, shared: dict, **options) -> None:
-    """The workload again with runner `options` (graphs on): throughput against the plain
+    """The workload again with runner `options` (graphs on): throughput against the default
     run of the cadence stage, and greedy tokens against it."""
     if s.device != "cuda" or s.tp > 1:
         record["detail"] = "not run: needs one CUDA device (the CPU interpreter is far too slow)"
@@ -395,22 +401,23 @@ def stage_variant(record: dict, s: Settings, workload, shared: dict, **options) 
     runner = _make_runner(s, dtype=s.dtype, **options)
     variant = _timed_run(runner, workload, s)
     record["variant"] = variant["record"]
-    plain_rate = shared.get("cadence_tokens_per_s")
-    if plain_rate:
-        record["variant_over_plain"] = variant["record"]["tokens_per_s"] / plain_rate
+    default_rate = shared.get("cadence_tokens_per_s")
+    if default_rate:
+        record["variant_over_default"] = variant["record"]["tokens_per_s"] / default_rate
     reference = shared.get("cadence_run_outputs") or {}
-    record["variant_vs_plain_outputs"] = throughput.compare_tokens(
+    record["variant_vs_default_outputs"] = throughput.compare_tokens(
         {rid: variant["outputs"][rid][: s.greedy_tokens] for rid in reference}, reference)
     print(json.dumps({"cadence_variant": options, **variant["record"]}), flush=True)
     del runner
     free_memory(s.device)
 
 
-# Runner options measured against the plain graphs-on run, each a stage of its own.
+# Runner options measured against the default graphs-on run, each a stage of its own.
 VARIANTS = {
-    "fused": dict(fused_elementwise=True),
+    "plain": dict(fused_elementwise=False),
     "balanced": dict(balanced_decode_attention=True),
-    "fused_balanced": dict(fused_elementwise=True, balanced_decode_attention=True),
+    # The default again, last: how far the same run drifts between the first stage and the last.
+    "default_again": dict(),
 }
 
 
@@ -427,6 +434,15 @@ def stage_greedy(record: dict, s: Settings, workload, shared: dict) -> None:
     runner.decode_graphs = graphs
     del runner, graphs
     free_memory(s.device)
+    plain = {}
+    if (s.device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1") and s.tp == 1:
+        # torch's elementwise ops in place of the fused kernels, float32 and the run's dtype.
+        for dtype in dict.fromkeys(("float32", s.dtype)):
+            runner = _make_runner(s, dtype=dtype, weights=checkpoint, num_blocks=_blocks_for(sample),
+                                  max_num_seqs=max(16, s.greedy_requests), fused_elementwise=False)
+            plain[dtype] = throughput.run_cadence(runner, sample, temperature=0.0, **options)["outputs"]
+            del runner
+            free_memory(s.device)
     hf = throughput.load_hf(checkpoint, s.device, torch.float32)
     expected = throughput.hf_greedy_reference(hf, sample)
     del hf
@@ -437,6 +453,8 @@ def stage_greedy(record: dict, s: Settings, workload, shared: dict) -> None:
         cadence_fp32_graphs_vs_hf_fp32=throughput.compare_tokens(fp32_on, expected),
         cadence_fp32_eager_vs_hf_fp32=throughput.compare_tokens(fp32_off, expected),
         cadence_fp32_graphs_vs_eager=throughput.compare_tokens(fp32_on, fp32_off),
+        **{f"cadence_{'fp32' if dtype == 'float32' else 'run_dtype'}_plain_ops_vs_hf_fp32":
+           throughput.compare_tokens(outputs, expected) for dtype, outputs in plain.items()},
     )
     run_outputs = shared.get("cadence_run_outputs")
     if run_outputs:
@@ -476,7 +494,9 @@ def stage_pytest(record: dict, s: Settings, report: Report) -> None:
                "tests/gpu/test_balanced_decode.py", "-q", "-x", "-p", "no:cacheprovider"]
     timeout = max(10.0, report.remaining_s() - 10)
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+        # The GPU machine has no use for the CPU kernels: no minute of compiling them first.
+        env = {**os.environ, "CADENCE_PREBUILD_CPU_KERNELS": "0"}
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
         record.update(returncode=done.returncode, tail=(done.stdout + done.stderr)[-3000:])
     except subprocess.TimeoutExpired as expired:
         out = expired.stdout.decode() if isinstance(expired.stdout, bytes) else (expired.stdout or "")
@@ -518,15 +538,16 @@ def summary_rows(data: dict) -> list[tuple[str, str, str]]:
             if name in VARIANTS:
                 if "variant" not in r:
                     return r.get("detail", "")
-                same = r["variant_vs_plain_outputs"]
+                same = r["variant_vs_default_outputs"]
                 text = f"{r['variant']['tokens_per_s']:.0f} tok/s"
-                if "variant_over_plain" in r:
-                    text += f" (x{r['variant_over_plain']:.2f} of plain)"
+                if "variant_over_default" in r:
+                    text += f" (x{r['variant_over_default']:.2f} of default)"
                 return text + f"; greedy {same['num_identical']}/{same['num_compared']} identical"
             if name == "greedy":
                 parts = []
                 for key in ("cadence_fp32_graphs_vs_hf_fp32", "cadence_fp32_graphs_vs_eager",
-                            "cadence_run_dtype_vs_hf_fp32"):
+                            "cadence_run_dtype_vs_hf_fp32", "cadence_fp32_plain_ops_vs_hf_fp32",
+                            "cadence_run_dtype_plain_ops_vs_hf_fp32"):
                     if key in r:
                         same = f"{r[key]['num_identical']}/{r[key]['num_compared']}"
                         parts.append(f"{key.replace('cadence_', '')} {same}")

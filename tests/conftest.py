@@ -96,7 +96,7 @@ if checkout_problem() is not None:
 def pytest_sessionstart(session) -> None:
     """Build the CPU kernels once, before any test times anything: the first CPU model
     runner of a fresh machine would otherwise compile them inside some test's timeout."""
-    if importlib.util.find_spec("torch") is None:
+    if importlib.util.find_spec("torch") is None or os.environ.get("CADENCE_PREBUILD_CPU_KERNELS") == "0":
         return
     from cadence.gpu import cpu_kernels
 
