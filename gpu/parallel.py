@@ -386,6 +386,8 @@ class TensorParallelRunner(ModelRunner):
         kwargs.update(device=group.device, use_cuda_graphs=False, pad_decode_batches=False, cpu_path="eager")
         # Each rank's threads are set where the rank starts (tp_num_threads), not per runner.
         kwargs.setdefault("num_threads", None)
+        # The fused elementwise kernels have not been measured on sharded ranks: asked for only.
+        kwargs.setdefault("fused_elementwise", False)
         super().__init__(model_config, **kwargs)
 
     @property

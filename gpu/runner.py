@@ -14,6 +14,7 @@ CUDA graph (see `cuda_graphs`).
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import mmap
@@ -288,9 +289,12 @@ class ModelRunner:
       `max_num_seqs` sequences; None means on for CUDA with the "triton" backend.
     pad_decode_batches: run pure-decode steps padded to the graph batch sizes even
       without graphs (eagerly): the CPU twin of the graph path, for tests and debugging.
-    fused_elementwise: RMSNorm (with the residual add after attention) and SwiGLU
-      as single Triton kernels (`cadence.gpu.triton_fused`); CUDA, or Triton's CPU
-      interpreter in tests. Off by default until measured on a GPU.
+    fused_elementwise: RMSNorm (with the residual add after attention), SwiGLU and
+      the rotary embedding with the cache write as single Triton kernels
+      (`cadence.gpu.triton_fused`); CUDA, or Triton's CPU interpreter in tests. None
+      means on for CUDA with the "triton" backend (1.65-1.82x the plain path's
+      tokens/s on the H200's nano workload, float32 greedy identical to transformers;
+      benchmarks/results/h200_gpu_check*.json).
     balanced_decode_attention: on the padded decode path (graphs, or its eager twin),
       cut decode contexts into length-balanced tiles (`cadence.gpu.worklist`) instead
       of one program per sequence; True for the default `BalanceConfig`. Needs the
@@ -317,7 +321,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         use_cuda_graphs: bool | None = None,
         pad_decode_batches: bool = False,
-        fused_elementwise: bool = False,
+        fused_elementwise: bool | None = None,
         balanced_decode_attention: bool | BalanceConfig = False,
         num_threads: int | str | None = AUTO,
         cpu_path: str = AUTO,
@@ -358,9 +362,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.use_cuda_graphs = self._resolve_cuda_graphs(use_cuda_graphs, attention_backend)
         self.backend = get_attention_backend(attention_backend)
-        if fused_elementwise and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ConfigError("fused_elementwise needs a CUDA device (or TRITON_INTERPRET=1 to run "
-                              "the kernels in Triton's CPU interpreter, for tests)")
+        fused_elementwise = self._resolve_fused_elementwise(fused_elementwise, attention_backend)
         self.model = self._build_model(weights_path, seed)
         self.cpu_path = self._resolve_cpu_path(cpu_path)
         # Greedy rows' tokens: torch's argmax, or the CPU kernels' (the same answers, ties
@@ -374,6 +376,10 @@ class ModelRunner:
         if fused_elementwise:
             # Before any decode graph is captured, so the graphs hold the fused kernels.
             self.model.set_fused_elementwise(True)
+        if self.device.type == "cuda":
+            _log.info("CUDA path: %s, %s attention, elementwise ops %s, decode graphs %s",
+                      str(self.dtype).removeprefix("torch."), self.backend.name,
+                      "fused" if fused_elementwise else "plain", "on" if self.use_cuda_graphs else "off")
         self.sampler = Sampler(model_config.eos_token_ids, seed=seed, device=self.device)
         self.matcher_factory: MatcherFactory | None = None
         self._requests: dict[str, CachedRequestState] = {}
@@ -431,6 +437,15 @@ class ModelRunner:
                   self.num_threads or torch.get_num_threads(),
                   f" pinned to cores {list(self.pinned_cores)}" if self.pinned_cores else "")
         return path
+
+    def _resolve_fused_elementwise(self, requested: bool | None, attention_backend: str) -> bool:
+        if requested is None:
+            return (self.device.type == "cuda" and attention_backend == "triton"
+                    and importlib.util.find_spec("triton") is not None)
+        if requested and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError("fused_elementwise needs a CUDA device (or TRITON_INTERPRET=1 to run "
+                              "the kernels in Triton's CPU interpreter, for tests)")
+        return requested
 
     def _resolve_cuda_graphs(self, requested: bool | None, attention_backend: str) -> bool:
         usable = self.device.type == "cuda" and attention_backend == "triton"

@@ -195,3 +195,30 @@ def test_fused_kernels_on_a_cpu_need_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ConfigError, match="fused_elementwise needs a CUDA device"):
         ModelRunner(preset("tiny"), num_blocks=8, device="cpu", fused_elementwise=True)
+
+
+def test_fused_kernels_are_the_default_on_cuda_with_the_triton_backend_only(monkeypatch):
+    """Left unset, the fused kernels are on where they were measured to win (CUDA, the
+    "triton" attention backend, Triton importable) and off everywhere else; asked for
+    explicitly, the answer is kept."""
+    import importlib.util
+
+    from cadence.gpu import ModelRunner, preset
+
+    def resolved(device: str, backend: str, requested=None) -> bool:
+        runner = ModelRunner.__new__(ModelRunner)
+        runner.device = torch.device(device)
+        return runner._resolve_fused_elementwise(requested, backend)
+
+    assert resolved("cuda", "triton") is True
+    assert resolved("cuda", "sdpa") is False
+    assert resolved("cpu", "cpu") is False
+    assert resolved("cpu", "sdpa") is False
+    assert resolved("cuda", "triton", requested=False) is False
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "triton" else real_find_spec(name, *a))
+    assert resolved("cuda", "triton") is False
+    # A CPU runner built with every default does not run the Triton kernels (its own, if any).
+    fused = ModelRunner(preset("tiny"), num_blocks=8, device="cpu").model.model.layers[0].mlp.fused
+    assert fused is None or fused.__name__ == "cadence.gpu.cpu_kernels"
