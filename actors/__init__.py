@@ -11,6 +11,7 @@ actor, executors, the embedded API and the offline `LLM` facade.
 an asyncio program.
 """
 
+import cadence.gpu  # noqa: F401  (first: sets OpenMP's spin count before torch loads; see gpu/openmp_env.py)
 from cadence.statemachine.config import CacheConfig, SchedulerConfig
 from cadence.statemachine import errors as _errors
 from cadence.statemachine.errors import *  # noqa: F401,F403  (every user-facing error)

@@ -154,6 +154,8 @@ def child_offline(args: argparse.Namespace) -> None:
     """One engine in this fresh process: every batch size once, a JSON line each."""
     run = {"cadence": _cadence_offline, "vllm": _vllm_offline, "hf": _hf_offline}[args.engine]
     for record in run(args):
+        # OpenMP's spin setting as this engine's runtime read it (None: the runtime's own default).
+        record["gomp_spincount"] = os.environ.get("GOMP_SPINCOUNT")
         print(json.dumps(record), flush=True)
 
 

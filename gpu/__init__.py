@@ -9,6 +9,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from . import openmp_env
+
+openmp_env.set_spin_count()  # before anything here loads torch
+
 # Each public name and the submodule that defines it.
 _EXPORTS = {
     "AttentionBackend": "attention",

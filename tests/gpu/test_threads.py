@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import sys
 
 import pytest
 import torch
 
 from cadence.actors.executor_worker import build_runner
 from cadence.actors.messages import InitExecutor
-from cadence.gpu import ModelRunner, preset
+from cadence.gpu import ModelRunner, openmp_env, preset
 from cadence.gpu.threads import (
     SMALL_MODEL_MACS,
     auto_num_threads,
@@ -156,3 +158,31 @@ def test_the_engines_runner_pins_its_model_thread_unless_told_not_to():
     cores, affinity = in_fresh_thread(build)
     assert cores is not None and affinity == set(cores)
     assert in_fresh_thread(lambda: build(pin_threads=False))[0] is None
+
+
+_REPORT_SPIN = "import os; {imports}; print(os.environ.get('GOMP_SPINCOUNT'))"
+
+
+def _spin_count_in_fresh_process(imports: str, **environ: str) -> str:
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in openmp_env.USER_SETTINGS}
+    done = subprocess.run([sys.executable, "-c", _REPORT_SPIN.format(imports=imports)], capture_output=True,
+                          text=True, timeout=300, env={**env, **environ})
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+@pytest.mark.parametrize("imports", ["import cadence.actors", "import cadence.gpu.runner",
+                                     "from cadence.actors import cli"])
+def test_importing_cadence_sets_the_openmp_spin_count_before_torch_loads(imports):
+    """The engine, the runner and the CLI each set GNU OpenMP's spin count where torch
+    is not loaded yet (the runtime reads it once, when torch loads it)."""
+    assert _spin_count_in_fresh_process(imports) == str(openmp_env.SPIN_COUNT)
+
+
+def test_the_users_openmp_settings_and_an_already_loaded_torch_are_left_alone():
+    assert _spin_count_in_fresh_process("import cadence.actors", GOMP_SPINCOUNT="7") == "7"
+    assert _spin_count_in_fresh_process("import cadence.actors", OMP_WAIT_POLICY="PASSIVE") == "None"
+    # torch first: its runtime has read the environment already, so nothing is set.
+    assert _spin_count_in_fresh_process("import torch; import cadence.actors") == "None"
