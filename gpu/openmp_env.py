@@ -25,9 +25,26 @@ SPIN_COUNT = 100_000
 USER_SETTINGS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 
 
+# What `set_spin_count` found: "set", "user" (the user's own setting) or "torch first".
+_outcome = {"spin": "not asked"}
+
+
 def set_spin_count() -> bool:
     """Set `GOMP_SPINCOUNT` for the OpenMP runtime torch is about to load; whether it was set."""
-    if "torch" in sys.modules or any(name in os.environ for name in USER_SETTINGS):
-        return False
-    os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
-    return True
+    if any(name in os.environ for name in USER_SETTINGS):
+        _outcome["spin"] = "user"
+    elif "torch" in sys.modules:
+        _outcome["spin"] = "torch first"
+    else:
+        os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
+        _outcome["spin"] = "set"
+    return _outcome["spin"] == "set"
+
+
+def describe() -> str:
+    """The spin setting the OpenMP runtime runs with, in words, for the runner's log."""
+    settings = ", ".join(f"{name}={os.environ[name]}" for name in USER_SETTINGS if name in os.environ)
+    if _outcome["spin"] == "torch first":
+        return ("OpenMP spin: the runtime's default (torch was imported before cadence; import "
+                "cadence first, or set GOMP_SPINCOUNT, to spin less beside busy neighbours)")
+    return f"OpenMP spin: {settings or 'the runtime default'}"

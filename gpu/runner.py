@@ -33,7 +33,7 @@ from cadence.statemachine.errors import ConfigError, ExecutorError
 from cadence.statemachine.plan import StepPlan, StepResult
 from cadence.statemachine.sampling import SamplingParams, StructuredOutput
 
-from . import cpu_kernels, cpu_linear
+from . import cpu_kernels, cpu_linear, openmp_env
 from .attention import AttentionMetadata, get_attention_backend
 from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs, DecodeInputs, StagingBuffer, graph_batch_sizes
@@ -433,9 +433,10 @@ class ModelRunner:
                               f"this runner has {self.dtype} (torch mkldnn available: "
                               f"{torch.backends.mkldnn.is_available()})")
         path = ("packed" if available else "eager") if requested == AUTO else requested
-        _log.info("CPU path: %s, %s, %s thread(s)%s", path, str(self.dtype).removeprefix("torch."),
+        _log.info("CPU path: %s, %s, %s thread(s)%s; %s", path, str(self.dtype).removeprefix("torch."),
                   self.num_threads or torch.get_num_threads(),
-                  f" pinned to cores {list(self.pinned_cores)}" if self.pinned_cores else "")
+                  f" pinned to cores {list(self.pinned_cores)}" if self.pinned_cores else "",
+                  openmp_env.describe())
         return path
 
     def _resolve_fused_elementwise(self, requested: bool | None, attention_backend: str) -> bool:

@@ -186,3 +186,21 @@ def test_the_users_openmp_settings_and_an_already_loaded_torch_are_left_alone():
     assert _spin_count_in_fresh_process("import cadence.actors", OMP_WAIT_POLICY="PASSIVE") == "None"
     # torch first: its runtime has read the environment already, so nothing is set.
     assert _spin_count_in_fresh_process("import torch; import cadence.actors") == "None"
+
+
+def test_the_runner_log_says_which_openmp_spin_runs_and_how_to_change_it(caplog):
+    """Where torch came first the spin is the runtime's default, and the log says how to
+    get the shorter one; otherwise it names the setting in force."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in openmp_env.USER_SETTINGS}
+    report = "from cadence.gpu import openmp_env; print(openmp_env.describe())"
+    torch_first = subprocess.run([sys.executable, "-c", f"import torch; import cadence.gpu; {report}"],
+                                 capture_output=True, text=True, timeout=300, env=env)
+    assert "torch was imported before cadence" in torch_first.stdout, torch_first.stderr
+    cadence_first = subprocess.run([sys.executable, "-c", f"import cadence.gpu; import torch; {report}"],
+                                   capture_output=True, text=True, timeout=300, env=env)
+    assert f"GOMP_SPINCOUNT={openmp_env.SPIN_COUNT}" in cadence_first.stdout, cadence_first.stderr
+    with caplog.at_level("INFO", logger="cadence.gpu"):
+        ModelRunner(preset("tiny"), num_blocks=8, device="cpu")
+    assert any("CPU path:" in r.message and "OpenMP spin:" in r.message for r in caplog.records)
