@@ -320,9 +320,11 @@ def _server_command(engine: str, python: str, directory: Path, dtype: str, threa
 def kv_blocks(directory: Path, dtype: str, gib: float = float(VLLM_CACHE_GIB), block_size: int = 16) -> int:
     """Cadence's KV blocks (of `block_size` tokens) in `gib` GiB of cache for the model in
     `directory` at `dtype`: the cache vLLM gets from VLLM_CPU_KVCACHE_SPACE."""
+    import torch
+
     from cadence.gpu.config import ModelConfig
 
-    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    itemsize = getattr(torch, dtype).itemsize
     block_bytes = block_size * ModelConfig.from_pretrained(directory).kv_bytes_per_token(itemsize)
     return int(gib * (1 << 30)) // block_bytes
 

@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -97,6 +98,15 @@ class Settings:
                    budget_s=budget_s)
 
 
+def portable(text: str) -> str:
+    """`text` without this machine's paths, so the record can be kept in the repository:
+    the checkout becomes relative, the interpreter's prefix (also as a relative path, as
+    pytest prints it) `<python>`, the temporary directory `<tmp>`."""
+    text = text.replace(f"{REPO}/", "")
+    text = re.sub(r"(?:\.\./)*/?" + re.escape(sys.prefix.lstrip("/")), "<python>", text)
+    return text.replace(f"{tempfile.gettempdir()}/", "<tmp>/")
+
+
 class Report:
     """The JSON record of the run, rewritten whole after every change so a timeout loses nothing kept."""
 
@@ -111,10 +121,10 @@ class Report:
         return self.budget_s - (time.perf_counter() - self.started)
 
     def save(self) -> None:
-        """Write the record atomically."""
+        """Write the record atomically, with this machine's paths taken out (`portable`)."""
         self.data["elapsed_s"] = time.perf_counter() - self.started
         tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.data, indent=1, default=str))
+        tmp.write_text(portable(json.dumps(self.data, indent=1, default=str)))
         os.replace(tmp, self.path)
 
     def run_stage(self, name: str, fn, *, needs_s: float, **kwargs) -> dict:
@@ -191,9 +201,7 @@ def stage_kernels(record: dict, s: Settings, report: Report) -> None:
     timeout = max(10.0, min(s.kernel_timeout_s, report.remaining_s() - 150))
     record.update(command=" ".join(command), timeout_s=timeout)
     try:
-        # The GPU machine has no use for the CPU kernels: no minute of compiling them first.
-        env = {**os.environ, "CADENCE_PREBUILD_CPU_KERNELS": "0"}
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
         stdout, stderr, record["returncode"] = done.stdout, done.stderr, done.returncode
     except subprocess.TimeoutExpired as expired:
         stdout = expired.stdout.decode() if isinstance(expired.stdout, bytes) else (expired.stdout or "")
@@ -347,7 +355,7 @@ def stage_cadence(record: dict, s: Settings, report: Report, workload, slice_wor
                   kv_cache_gib=runner.num_blocks * runner.kv_block_bytes() / 2**30, dtype=str(runner.dtype),
                   graph_batch_sizes=list(graphs.batch_sizes) if graphs else None,
                   graphs_captured=bool(graphs and graphs.captured),
-                  fused_elementwise=runner.model.model.layers[0].mlp.fused is not None)
+                  fused_elementwise=runner.fused_elementwise)
     report.save()
     on = _timed_run(runner, workload, s)
     record["graphs_on"] = on["record"]
@@ -386,7 +394,6 @@ def stage_cadence(record: dict, s: Settings, report: Report, workload, slice_wor
     checkpoint = Path(tempfile.mkdtemp(prefix="cadence-gpu-check-"))
     throughput.save_cadence_checkpoint(runner, checkpoint)
     shared["checkpoint"] = checkpoint
-    record["checkpoint"] = str(checkpoint)
     del runner, graphs
     free_memory(s.device)
 

@@ -26,25 +26,25 @@ USER_SETTINGS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 
 
 # What `set_spin_count` found: "set", "user" (the user's own setting) or "torch first".
-_outcome = {"spin": "not asked"}
+_found = "not asked"
 
 
-def set_spin_count() -> bool:
-    """Set `GOMP_SPINCOUNT` for the OpenMP runtime torch is about to load; whether it was set."""
+def set_spin_count() -> None:
+    """Set `GOMP_SPINCOUNT` for the OpenMP runtime torch is about to load (see the module's docstring)."""
+    global _found
     if any(name in os.environ for name in USER_SETTINGS):
-        _outcome["spin"] = "user"
+        _found = "user"
     elif "torch" in sys.modules:
-        _outcome["spin"] = "torch first"
+        _found = "torch first"
     else:
         os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
-        _outcome["spin"] = "set"
-    return _outcome["spin"] == "set"
+        _found = "set"
 
 
 def describe() -> str:
     """The spin setting the OpenMP runtime runs with, in words, for the runner's log."""
     settings = ", ".join(f"{name}={os.environ[name]}" for name in USER_SETTINGS if name in os.environ)
-    if _outcome["spin"] == "torch first":
+    if _found == "torch first":
         return ("OpenMP spin: the runtime's default (torch was imported before cadence; import "
                 "cadence first, or set GOMP_SPINCOUNT, to spin less beside busy neighbours)")
     return f"OpenMP spin: {settings or 'the runtime default'}"

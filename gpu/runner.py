@@ -362,7 +362,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.use_cuda_graphs = self._resolve_cuda_graphs(use_cuda_graphs, attention_backend)
         self.backend = get_attention_backend(attention_backend)
-        fused_elementwise = self._resolve_fused_elementwise(fused_elementwise, attention_backend)
+        self.fused_elementwise = self._resolve_fused_elementwise(fused_elementwise, attention_backend)
         self.model = self._build_model(weights_path, seed)
         self.cpu_path = self._resolve_cpu_path(cpu_path)
         # Greedy rows' tokens: torch's argmax, or the CPU kernels' (the same answers, ties
@@ -373,13 +373,13 @@ class ModelRunner:
             if self.backend.name == "cpu":  # its kernels are built: the fused ones come with them
                 self.model.set_fused_elementwise(True, cpu_kernels)
                 self._argmax = cpu_kernels.argmax
-        if fused_elementwise:
+        if self.fused_elementwise:
             # Before any decode graph is captured, so the graphs hold the fused kernels.
             self.model.set_fused_elementwise(True)
         if self.device.type == "cuda":
             _log.info("CUDA path: %s, %s attention, elementwise ops %s, decode graphs %s",
                       str(self.dtype).removeprefix("torch."), self.backend.name,
-                      "fused" if fused_elementwise else "plain", "on" if self.use_cuda_graphs else "off")
+                      "fused" if self.fused_elementwise else "plain", "on" if self.use_cuda_graphs else "off")
         self.sampler = Sampler(model_config.eos_token_ids, seed=seed, device=self.device)
         self.matcher_factory: MatcherFactory | None = None
         self._requests: dict[str, CachedRequestState] = {}

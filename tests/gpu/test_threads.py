@@ -160,17 +160,20 @@ def test_the_engines_runner_pins_its_model_thread_unless_told_not_to():
     assert in_fresh_thread(lambda: build(pin_threads=False))[0] is None
 
 
-_REPORT_SPIN = "import os; {imports}; print(os.environ.get('GOMP_SPINCOUNT'))"
-
-
-def _spin_count_in_fresh_process(imports: str, **environ: str) -> str:
+def _fresh_process_says(code: str, **environ: str) -> str:
+    """What a fresh interpreter running `code` prints, with none of the user's OpenMP
+    settings in its environment but those in `environ`."""
     import subprocess
 
     env = {k: v for k, v in os.environ.items() if k not in openmp_env.USER_SETTINGS}
-    done = subprocess.run([sys.executable, "-c", _REPORT_SPIN.format(imports=imports)], capture_output=True,
-                          text=True, timeout=300, env={**env, **environ})
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**env, **environ})
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
+
+
+def _spin_count_after(imports: str, **environ: str) -> str:
+    return _fresh_process_says(f"import os; {imports}; print(os.environ.get('GOMP_SPINCOUNT'))", **environ)
 
 
 @pytest.mark.parametrize("imports", ["import cadence.actors", "import cadence.gpu.runner",
@@ -178,29 +181,24 @@ def _spin_count_in_fresh_process(imports: str, **environ: str) -> str:
 def test_importing_cadence_sets_the_openmp_spin_count_before_torch_loads(imports):
     """The engine, the runner and the CLI each set GNU OpenMP's spin count where torch
     is not loaded yet (the runtime reads it once, when torch loads it)."""
-    assert _spin_count_in_fresh_process(imports) == str(openmp_env.SPIN_COUNT)
+    assert _spin_count_after(imports) == str(openmp_env.SPIN_COUNT)
 
 
 def test_the_users_openmp_settings_and_an_already_loaded_torch_are_left_alone():
-    assert _spin_count_in_fresh_process("import cadence.actors", GOMP_SPINCOUNT="7") == "7"
-    assert _spin_count_in_fresh_process("import cadence.actors", OMP_WAIT_POLICY="PASSIVE") == "None"
+    assert _spin_count_after("import cadence.actors", GOMP_SPINCOUNT="7") == "7"
+    assert _spin_count_after("import cadence.actors", OMP_WAIT_POLICY="PASSIVE") == "None"
     # torch first: its runtime has read the environment already, so nothing is set.
-    assert _spin_count_in_fresh_process("import torch; import cadence.actors") == "None"
+    assert _spin_count_after("import torch; import cadence.actors") == "None"
 
 
 def test_the_runner_log_says_which_openmp_spin_runs_and_how_to_change_it(caplog):
     """Where torch came first the spin is the runtime's default, and the log says how to
     get the shorter one; otherwise it names the setting in force."""
-    import subprocess
-
-    env = {k: v for k, v in os.environ.items() if k not in openmp_env.USER_SETTINGS}
     report = "from cadence.gpu import openmp_env; print(openmp_env.describe())"
-    torch_first = subprocess.run([sys.executable, "-c", f"import torch; import cadence.gpu; {report}"],
-                                 capture_output=True, text=True, timeout=300, env=env)
-    assert "torch was imported before cadence" in torch_first.stdout, torch_first.stderr
-    cadence_first = subprocess.run([sys.executable, "-c", f"import cadence.gpu; import torch; {report}"],
-                                   capture_output=True, text=True, timeout=300, env=env)
-    assert f"GOMP_SPINCOUNT={openmp_env.SPIN_COUNT}" in cadence_first.stdout, cadence_first.stderr
+    assert "torch was imported before cadence" in _fresh_process_says(f"import torch; import cadence.gpu; {report}")
+    assert (f"GOMP_SPINCOUNT={openmp_env.SPIN_COUNT}"
+            in _fresh_process_says(f"import cadence.gpu; import torch; {report}"))
+    assert "OMP_WAIT_POLICY=PASSIVE" in _fresh_process_says(f"import cadence.gpu; {report}", OMP_WAIT_POLICY="PASSIVE")
     with caplog.at_level("INFO", logger="cadence.gpu"):
         ModelRunner(preset("tiny"), num_blocks=8, device="cpu")
     assert any("CPU path:" in r.message and "OpenMP spin:" in r.message for r in caplog.records)
