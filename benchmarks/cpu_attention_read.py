@@ -36,7 +36,7 @@ def attention_read(kernels, *, batch: int, context: int, block_size: int, layers
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq
     # One mapping for every layer's keys and values, as the runner allocates its cache
-    # (`zeroed_cpu_tensor`: private, advised for huge pages).
+    # (`zeroed_cpu_tensor`: private, 4 KiB pages).
     memory = zeroed_cpu_tensor((layers, 2, num_blocks, block_size, kv_heads, head_dim), dtype)
     memory.copy_(torch.randn(memory.shape, generator=generator).to(dtype))
     caches = [(memory[layer, 0], memory[layer, 1]) for layer in range(layers)]

@@ -292,15 +292,19 @@ def _mapping_of(address: int) -> tuple[str, set[str]]:
 def test_cpu_cache_memory_is_private_and_asks_for_huge_pages_only_when_told():
     from cadence.gpu.runner import zeroed_cpu_tensor
 
-    # Private (not shmem, where madvise cannot give huge pages), and advised as asked.
-    huge = zeroed_cpu_tensor((4, 1 << 20), torch.float32)
-    plain = zeroed_cpu_tensor((4, 1 << 20), torch.float32, huge_pages=False)
+    # Private (not shmem, where madvise cannot give huge pages), and advised only when asked:
+    # the runner's KV cache is not (a huge page's first touch can cost 18x a small page's).
+    huge = zeroed_cpu_tensor((4, 1 << 20), torch.float32, huge_pages=True)
+    plain = zeroed_cpu_tensor((4, 1 << 20), torch.float32)
     for tensor, advised in ((huge, True), (plain, False)):
         tensor[1, 7] = 3.0
         perms, flags = _mapping_of(tensor.data_ptr())
         assert perms.endswith("p") and "sh" not in flags
         assert ("hg" in flags) == advised
         assert tensor.sum().item() == 3.0
+    runner = ModelRunner(preset("tiny"), num_blocks=4, block_size=BLOCK_SIZE, device="cpu")
+    perms, flags = _mapping_of(runner.kv_caches[0][0].data_ptr())
+    assert perms.endswith("p") and "hg" not in flags
 
 
 def test_cpu_runs_its_decode_kernel_and_packed_products_by_default(monkeypatch):
