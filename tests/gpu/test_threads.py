@@ -176,12 +176,64 @@ def _spin_count_after(imports: str, **environ: str) -> str:
     return _fresh_process_says(f"import os; {imports}; print(os.environ.get('GOMP_SPINCOUNT'))", **environ)
 
 
+def _spin_choice_after(imports: str) -> tuple[str, float | None]:
+    """The spin count a fresh process set on `imports`, and the busy cores it saw then."""
+    said = _fresh_process_says(f"import os; {imports}; from cadence.gpu import openmp_env; "
+                               "print(os.environ.get('GOMP_SPINCOUNT'), openmp_env._neighbour_cores)")
+    count, cores = said.split()
+    return count, None if cores == "None" else float(cores)
+
+
 @pytest.mark.parametrize("imports", ["import cadence.actors", "import cadence.gpu.runner",
                                      "from cadence.actors import cli"])
 def test_importing_cadence_sets_the_openmp_spin_count_before_torch_loads(imports):
     """The engine, the runner and the CLI each set GNU OpenMP's spin count where torch
-    is not loaded yet (the runtime reads it once, when torch loads it)."""
-    assert _spin_count_after(imports) == str(openmp_env.SPIN_COUNT)
+    is not loaded yet (the runtime reads it once, when torch loads it): the long one, or
+    the short one where other processes were busy on this machine's cores."""
+    count, cores = _spin_choice_after(imports)
+    assert count == str(openmp_env.spin_count_for(cores))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat") or not hasattr(os, "sched_getaffinity"),
+                    reason="watches Linux's /proc/stat")
+def test_busy_neighbours_when_cadence_loads_get_the_short_spin():
+    import subprocess
+    import time
+
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+             for _ in range(len(os.sched_getaffinity(0)))]
+    try:
+        time.sleep(0.5)  # every loop running
+        count, cores = _spin_choice_after("import cadence.gpu")
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+    assert cores is not None and cores >= openmp_env.NEIGHBOUR_CORES
+    assert count == str(openmp_env.CONTENDED_SPIN_COUNT)
+
+
+def test_busy_cores_counts_other_processes_on_this_process_cpus_only():
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+    outside = max(cpus) + 1000
+    before = {cpus[0]: (100, 1000), outside: (0, 1000)}
+    after = {cpus[0]: (190, 1100), outside: (100, 1100)}  # 90% busy; the CPU outside the set 100%
+    readings = iter([before, after])
+    cores = openmp_env.busy_cores(0.1, read=lambda: next(readings), sleep=lambda s: None)
+    assert cores == pytest.approx(0.9, abs=0.05)  # less this process's own (nearly no) CPU time
+    assert openmp_env.busy_cores(0.1, read=lambda: {}, sleep=lambda s: None) is None
+
+    def unreadable():
+        raise OSError("no /proc")
+
+    assert openmp_env.busy_cores(0.1, read=unreadable, sleep=lambda s: None) is None
+
+
+def test_the_spin_count_is_short_from_half_a_busy_core():
+    assert openmp_env.spin_count_for(None) == openmp_env.spin_count_for(0.0) == openmp_env.SPIN_COUNT
+    assert openmp_env.spin_count_for(openmp_env.NEIGHBOUR_CORES - 0.01) == openmp_env.SPIN_COUNT
+    assert openmp_env.spin_count_for(openmp_env.NEIGHBOUR_CORES) == openmp_env.CONTENDED_SPIN_COUNT
+    assert openmp_env.SPIN_COUNT > openmp_env.CONTENDED_SPIN_COUNT
 
 
 def test_the_users_openmp_settings_and_an_already_loaded_torch_are_left_alone():
@@ -196,8 +248,8 @@ def test_the_runner_log_says_which_openmp_spin_runs_and_how_to_change_it(caplog)
     get the shorter one; otherwise it names the setting in force."""
     report = "from cadence.gpu import openmp_env; print(openmp_env.describe())"
     assert "torch was imported before cadence" in _fresh_process_says(f"import torch; import cadence.gpu; {report}")
-    assert (f"GOMP_SPINCOUNT={openmp_env.SPIN_COUNT}"
-            in _fresh_process_says(f"import cadence.gpu; import torch; {report}"))
+    said = _fresh_process_says(f"import cadence.gpu; import torch; {report}")
+    assert "GOMP_SPINCOUNT=" in said and "cores busy when cadence loaded" in said
     assert "OMP_WAIT_POLICY=PASSIVE" in _fresh_process_says(f"import cadence.gpu; {report}", OMP_WAIT_POLICY="PASSIVE")
     with caplog.at_level("INFO", logger="cadence.gpu"):
         ModelRunner(preset("tiny"), num_blocks=8, device="cpu")
