@@ -16,10 +16,11 @@ torch is not loaded yet and the user set neither `GOMP_SPINCOUNT` nor
 
 Which count is set is decided then, by watching the cores this process may run on
 for a moment (`busy_cores`): where other processes keep at least half a core busy,
-the shorter `CONTENDED_SPIN_COUNT` (the log's "CPU path" line says which, and why). Measured on the 2-core machine beside two busy
-processes, serving the 125M model to 32 clients: 1.90-2.20 requests/s against
-1.58-1.65 with `SPIN_COUNT`; on a quiet machine the shorter spin cost 15% at batch
-8 (threads that fall asleep between kernels wake late), so it is not the default.
+the shorter `CONTENDED_SPIN_COUNT` (the log's "CPU path" line says which, and why).
+Measured on the 2-core machine beside two busy processes, serving the 125M model to
+32 clients: 1.90-2.20 requests/s against 1.58-1.65 with `SPIN_COUNT`; on a quiet
+machine the shorter spin cost 15% at batch 8 (threads that fall asleep between
+kernels wake late), so it is not the default.
 """
 
 from __future__ import annotations
@@ -105,5 +106,5 @@ def describe() -> str:
                 "cadence first, or set GOMP_SPINCOUNT, to spin less beside busy neighbours)")
     if _found == "set" and _neighbour_cores is not None:
         settings += (f" (other processes kept {_neighbour_cores:.1f} cores busy when cadence loaded;"
-                     f" {CONTENDED_SPIN_COUNT} from {NEIGHBOUR_CORES} busy cores, else {SPIN_COUNT})")
+                     f" {CONTENDED_SPIN_COUNT} where they keep {NEIGHBOUR_CORES} or more, else {SPIN_COUNT})")
     return f"OpenMP spin: {settings or 'the runtime default'}"
