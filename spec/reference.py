@@ -35,7 +35,7 @@ from typing import Callable, Mapping
 import attrs
 
 from cadence.statemachine.blocks import block_keys_for
-from cadence.statemachine.config import CacheConfig, SchedulerConfig
+from cadence.statemachine.config import MIXED_DRAIN_STEPS, CacheConfig, SchedulerConfig
 from cadence.statemachine.fsm import RequestState
 
 PENDING, RUNNING, COMPLETED = "pending", "running", "completed"
@@ -341,6 +341,7 @@ class ReferenceSpec:
         out += [f"{rid} appeared in a plan" for rid in after.requests if rid not in before.requests]
         out += self._budget_problems(after, scheduled)
         out += self._share_problems(before, admitted, grown, preempted, scheduled)
+        out += self._mixed_problems(before, admitted, grown, scheduled)
         out += self._block_problems(before, after, admitted, grown, preempted, scheduled)
         out += self._order_problems(before, after, admitted, grown, preempted, scheduled)
         return out
@@ -408,12 +409,22 @@ class ReferenceSpec:
     def _share_problems(self, before: RefState, admitted, grown, preempted, scheduled) -> list[str]:
         """Beside running requests, and while every waiting request has a free seat,
         admissions take at most their share of `admission_delay_budget` among the
-        requests held, beyond the first one in `admission_drain_steps` waiting."""
+        requests held, beyond the first one in `admission_drain_steps` waiting;
+        under `admission_split_bursts`, while more requests wait than run, at most
+        the older half of them are admitted."""
         c = self.config
-        if not (c.admission_delay_budget and c.enable_chunked_prefill
-                and any(scheduled.get(rid) for rid in grown)):
+        if not any(scheduled.get(rid) for rid in grown):
             return []
         num_waiting = sum(r.phase == PENDING for r in before.requests.values())
+        if c.admission_split_bursts and num_waiting > len(before.requests) - num_waiting:
+            # The older half of the waiting requests (a growth preemption may add one).
+            most = -(-(num_waiting + len(preempted)) // 2)
+            if len(admitted) > most:
+                return [f"{len(admitted)} admitted beside running requests while {num_waiting} "
+                        f"wait, more than the older half ({most})"]
+            return []
+        if not (c.admission_delay_budget and c.enable_chunked_prefill):
+            return []
         if num_waiting > c.max_num_seqs - (len(before.requests) - num_waiting):
             return []
         share = max(c.admission_delay_budget // len(before.requests), c.admission_min_tokens)
@@ -423,6 +434,31 @@ class ReferenceSpec:
         if sum(taken) > max(share, sum(taken[:num_uncapped])):
             return [f"admissions take {sum(taken)} tokens beside running requests, their share "
                     f"is {share} beyond the first {num_uncapped}"]
+        return []
+
+    def _mixed_problems(self, before: RefState, admitted, grown, scheduled) -> list[str]:
+        """Beside decoding requests, while no more requests wait than decode and
+        their tokens would join within MIXED_DRAIN_STEPS steps of the bound, a
+        plan's prompt tokens (admissions, and chunks of more than one token for
+        running requests) stay within `mixed_prefill_tokens`, or
+        `mixed_prefill_per_decode` per decoding request where that is more."""
+        c = self.config
+        if not (c.mixed_prefill_tokens and c.enable_chunked_prefill):
+            return []
+        requests = before.requests.values()
+        num_decoding = sum(r.phase == RUNNING and len(r.tokens) - r.num_computed_tokens <= 1
+                           for r in requests)
+        num_waiting = sum(r.phase == PENDING for r in requests)
+        if not num_decoding or num_waiting > num_decoding:
+            return []
+        limit = max(c.mixed_prefill_tokens, int(c.mixed_prefill_per_decode * num_decoding))
+        if sum(len(r.tokens) for r in requests if r.phase == PENDING) > limit * MIXED_DRAIN_STEPS:
+            return []
+        chunks = [scheduled.get(rid, 0) for rid in grown]
+        taken = sum(scheduled.get(rid, 0) for rid in admitted) + sum(n for n in chunks if n > 1)
+        if taken > limit:
+            return [f"plan computes {taken} prompt tokens beside {num_decoding} decoding "
+                    f"requests, more than {limit}"]
         return []
 
     def _block_problems(self, before, after, admitted, grown, preempted, scheduled) -> list[str]:

@@ -11,6 +11,11 @@ PREFIX_CACHE_SHARING = ("tenant", "global")
 POLICY_NAMES = ("fcfs", "priority", "strict-priority", "deadline", "fair", "weighted")
 
 
+# Under `mixed_prefill_tokens`, a queue whose tokens the bound would take more steps
+# than this to admit is admitted as without it.
+MIXED_DRAIN_STEPS = 16
+
+
 def _at_least(minimum: float):
     def check(instance, attribute, value) -> None:
         if value < minimum:
@@ -110,6 +115,27 @@ class SchedulerConfig:
         steps; and the share holds only while every waiting request has a free
         seat (`max_num_seqs`): a backlog is admitted as without it, keeping the
         seats filled.
+      admission_split_bursts: in a step that runs requests admitted before,
+        while more requests wait than run, only the older half of the waiting
+        requests (rounded up) are admitted, each whole, and the share of
+        `admission_delay_budget` does not apply: a burst joins over two steps, and
+        its older half starts decoding a step sooner than if all of it shared
+        one long step, while the requests running are held up twice, not once
+        a step for many steps.
+      mixed_prefill_tokens: in a step that runs decoding requests (past their
+        prompts), and while no more requests wait than decode, the prompt tokens
+        it computes (new admissions and the next chunks of prompts begun earlier,
+        together) are at most this many, or `mixed_prefill_per_decode` times the
+        number decoding where that is more (0: no bound). Each prompt token in
+        such a step delays every decoding request's next token: the bound keeps
+        that step within a small multiple of a decode-only step, so the time
+        between tokens stays even, and prompts that arrive together join over a
+        few steps, one after another, instead of sharing one long step. A step
+        with nothing decoding is admitted as without it, and so is a queue of
+        more requests than decode, or of more tokens (prompt and output) than the
+        bound admits in MIXED_DRAIN_STEPS (16) steps. Applies only with chunked
+        prefill.
+      mixed_prefill_per_decode: see `mixed_prefill_tokens`.
 
     Ordering
       policy: `fcfs`, `priority` (lower value first, aged), `strict-priority` (no
@@ -238,6 +264,9 @@ class SchedulerConfig:
     admission_delay_budget: int = attrs.field(default=0, validator=_at_least(0))
     admission_min_tokens: int = attrs.field(default=128, validator=_at_least(1))
     admission_drain_steps: int = attrs.field(default=32, validator=_at_least(1))
+    admission_split_bursts: bool = False
+    mixed_prefill_tokens: int = attrs.field(default=0, validator=_at_least(0))
+    mixed_prefill_per_decode: float = attrs.field(default=2.0, validator=_at_least(0.0))
     enable_chunked_prefill: bool = True
     policy: str = attrs.field(default="fcfs", validator=_policy_name)
     enable_priority_scheduling: bool = True

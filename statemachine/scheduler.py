@@ -17,7 +17,7 @@ from typing import Sequence
 import attrs
 
 from .blocks import BlockManager, block_keys_for
-from .config import CacheConfig, SchedulerConfig
+from .config import MIXED_DRAIN_STEPS, CacheConfig, SchedulerConfig
 from .estimate import OutputLengthEstimator
 from .errors import (
     DuplicateRequestError, InvalidRequestError, QueueFullError, RequestNotFoundError,
@@ -25,7 +25,7 @@ from .errors import (
 )
 from .fsm import FinishReason, RequestEventKind, RequestState
 from .plan import NewRequestData, RequestEvent, StepPlan, StepResult
-from .policy import SchedulingPolicy, make_policy
+from .policy import SchedulingPolicy, make_policy, waiting_requests
 from .request import Request, RequestGroup
 from .stats import StatsCollector, StatsSummary
 
@@ -290,6 +290,10 @@ class Scheduler:
         # Seats can only run out here if more requests run than a step may hold.
         count_seats = len(self.running) > seats
         overlap = config.async_scheduling
+        # Beside decoding requests, prompt tokens are bounded (None: no bound).
+        prompt_left = self._mixed_prefill_limit()
+        # A burst: more requests wait than run, counted before this step preempts any.
+        burst = len(policy) > len(self.running)
         for request in list(self.running):
             if budget <= 0 or (count_seats and len(scheduled) >= seats):
                 break
@@ -311,10 +315,18 @@ class Scheduler:
                 n = budget
             if threshold and n > threshold:
                 n = threshold
+            chunk = prompt_left is not None and n > 1
+            if chunk:
+                if n > prompt_left:
+                    n = prompt_left
+                if n <= 0:
+                    continue  # the step's prompt tokens are spent: it goes on next step
             rid = request.request_id
             if computed + n <= len(tables[rid]) * block_size:
                 scheduled[rid] = n
                 budget -= n
+                if chunk:
+                    prompt_left -= n
                 continue
             new = blocks.grow(rid, computed + n)
             while new is None:
@@ -330,6 +342,8 @@ class Scheduler:
                 new_block_ids[rid] = new
             scheduled[rid] = n
             budget -= n
+            if chunk:
+                prompt_left -= n
 
         # 2. Waiting requests, in policy order, skipping those that do not fit.
         new_requests: list[NewRequestData] = []
@@ -341,9 +355,12 @@ class Scheduler:
             self.collector.num_admission_memo_hits += 1
         elif len(policy) and ((budget > 0 and len(scheduled) < seats)
                               or getattr(policy, "preempts_running", True)):
-            cap, num_uncapped = self._admission_share() if scheduled else (0, 0)
-            budget = self._admit(budget, seats, scheduled, new_requests, preempted,
-                                 new_block_ids, threshold, cap, num_uncapped)
+            cap, num_uncapped = self._admission_share(burst) if scheduled else (0, 0)
+            if prompt_left is not None:  # every admission draws on what is left
+                cap, num_uncapped = (min(cap, prompt_left) if cap else prompt_left), 0
+            if prompt_left != 0:
+                budget = self._admit(budget, seats, scheduled, new_requests, preempted,
+                                     new_block_ids, threshold, cap, num_uncapped)
 
         # 3. Advance progress and build the plan.
         total = 0
@@ -537,13 +554,42 @@ class Scheduler:
         )
 
     # ---- internals -------------------------------------------------------------
-    def _admission_share(self) -> tuple[int, int]:
+    def _mixed_prefill_limit(self) -> int | None:
+        """The prompt tokens this step may compute beside decoding requests
+        (`mixed_prefill_tokens`), or None where no bound applies: the bound is off,
+        nothing decodes, or more requests wait than decode, or more prompt tokens
+        than it would admit in MIXED_DRAIN_STEPS steps (a burst is admitted as
+        without it)."""
+        config = self.config
+        floor = config.mixed_prefill_tokens
+        if not floor or not config.enable_chunked_prefill:
+            return None
+        num_decoding = 0
+        for request in self.running:
+            if len(request.all_token_ids) - request.num_computed_tokens <= 1:
+                num_decoding += 1
+        num_waiting = len(self.policy)
+        if not num_decoding or num_waiting > num_decoding:
+            return None
+        limit = max(floor, int(config.mixed_prefill_per_decode * num_decoding))
+        if num_waiting:
+            allowance = limit * MIXED_DRAIN_STEPS
+            for request in waiting_requests(self.policy):
+                allowance -= request.num_tokens
+            if allowance < 0:
+                return None
+        return limit
+
+    def _admission_share(self, burst: bool) -> tuple[int, int]:
         """In a step that runs earlier requests: the tokens its admissions may take
         (`admission_delay_budget`; 0: no limit), and how many of them join whatever
-        the share. A share splits prompts, so it needs chunking; a backlog beyond the
+        the share; under `admission_split_bursts`, in a `burst` (more requests
+        waited than ran as the step began), the older half of them and no more. A share splits prompts, so it needs chunking; a backlog beyond the
         free seats is admitted without one, so the seats stay filled."""
         config = self.config
         num_running, num_waiting = len(self.running), len(self.policy)
+        if config.admission_split_bursts and burst:
+            return 1, -(-num_waiting // 2)  # the older half, whole; then no more
         if (not config.admission_delay_budget or not config.enable_chunked_prefill
                 or num_waiting > config.max_num_seqs - num_running):
             return 0, 0

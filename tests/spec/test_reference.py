@@ -126,3 +126,47 @@ def test_admissions_past_their_share_are_rejected():
     h.scheduler.config = attrs.evolve(SHARED, admission_delay_budget=0)
     with pytest.raises(SpecViolation, match="share"):
         h.step()
+
+
+
+MIXED = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=12, max_model_len=12,
+                        mixed_prefill_tokens=2, mixed_prefill_per_decode=0.0)
+SPLIT = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=12, max_model_len=10,
+                        admission_split_bursts=True)
+
+
+def long_prompt_beside_a_decode(h: CheckedHarness) -> None:
+    h.add("a", (1, 2, 3), 8)
+    h.step()
+    h.add("b", (4, 5, 6, 7, 8, 9), 2)
+
+
+# A rule, the trace it binds on, the core's config without it, and how the spec says so:
+# the bound of 2 prompt tokens beside a decode (the core computes all 6), and the older
+# half of a burst of 3 beside 1 running request (the core admits all 3).
+RULES = {
+    "mixed": (MIXED, long_prompt_beside_a_decode, dict(mixed_prefill_tokens=0), "prompt tokens beside"),
+    "split": (SPLIT, burst_beside_a_running_request, dict(admission_split_bursts=False), "older half"),
+}
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_plans_within_an_admission_rule_refine_the_spec(rule):
+    config, trace, _, _ = RULES[rule]
+    h = CheckedHarness(config, CacheConfig(num_blocks=16, block_size=2))
+    trace(h)
+    for _ in range(16):
+        h.step()
+    assert not h.scheduler.has_work()
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_plans_past_an_admission_rule_are_rejected(rule):
+    import attrs
+
+    config, trace, without, match = RULES[rule]
+    h = CheckedHarness(config, CacheConfig(num_blocks=16, block_size=2))
+    trace(h)
+    h.scheduler.config = attrs.evolve(config, **without)
+    with pytest.raises(SpecViolation, match=match):
+        h.step()

@@ -7,6 +7,7 @@ readable numbers, fabricate the executor's answer to a plan, and run steps.
 from __future__ import annotations
 
 import os
+import random
 import zlib
 from typing import Callable, Iterable
 
@@ -148,3 +149,21 @@ class NotAPolicy:
 
     def __init__(self, config) -> None:
         self.config = config
+
+
+def random_request(rng: random.Random, request_id: str, arrival_s: float, *, mixed: bool = True):
+    """A request of 4-30 prompt tokens and 2-30 output tokens; with `mixed`, of a
+    random priority (0-2) and tenant ("a" or "b")."""
+    extra = dict(priority=rng.randint(0, 2), tenant=rng.choice("ab")) if mixed else {}
+    return make_request(request_id, rng.randint(4, 30), max_tokens=rng.randint(2, 30),
+                        arrival_s=arrival_s, **extra)
+
+
+def arrive(scheduler: Scheduler, rng: random.Random, arrivals: list[int], now: int, total: int,
+           *, mixed: bool = True) -> None:
+    """Add the requests of `arrivals` (sorted arrival steps, popped as they come; `total`
+    at first) due by `now`, as random_request "r<i>"."""
+    while arrivals and arrivals[0] <= now:
+        i = total - len(arrivals)
+        scheduler.add_request(random_request(rng, f"r{i}", float(arrivals.pop(0)), mixed=mixed))
+

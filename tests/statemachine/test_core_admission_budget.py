@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from core_helpers import admissions, completions, make_request, make_scheduler, run_until_idle, step
+from core_helpers import admissions, arrive, completions, make_request, make_scheduler, run_until_idle, step
 
 PROMPT = 10
 
@@ -116,11 +116,7 @@ def test_a_budget_that_never_binds_changes_no_decision(policy, seed):
         arrivals = sorted(rng.randint(0, 120) for _ in range(24))
         out = []
         for t in range(800):
-            while arrivals and arrivals[0] <= t:
-                i = 24 - len(arrivals)
-                s.add_request(make_request(f"r{i}", rng.randint(4, 30), max_tokens=rng.randint(2, 30),
-                                           priority=rng.randint(0, 2), tenant=rng.choice("ab"),
-                                           arrival_s=float(arrivals.pop(0))))
+            arrive(s, rng, arrivals, t, 24)
             plan, _ = step(s, float(t))
             out.append((dict(plan.num_scheduled_tokens), list(plan.preempted_ids)))
         assert not s.has_work() and not arrivals
