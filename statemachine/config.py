@@ -115,13 +115,13 @@ class SchedulerConfig:
         steps; and the share holds only while every waiting request has a free
         seat (`max_num_seqs`): a backlog is admitted as without it, keeping the
         seats filled.
-      admission_split_bursts: in a step that runs requests admitted before,
-        while more requests wait than run, only the older half of the waiting
+      admission_burst_split: in a step that runs requests admitted before,
+        while more requests wait than run, only the oldest 1/N of the waiting
         requests (rounded up) are admitted, each whole, and the share of
-        `admission_delay_budget` does not apply: a burst joins over two steps, and
-        its older half starts decoding a step sooner than if all of it shared
-        one long step, while the requests running are held up twice, not once
-        a step for many steps.
+        `admission_delay_budget` does not apply (0 or 1: off). With 2 a burst
+        joins over two steps: its older half starts decoding a step sooner than
+        if all of it shared one long step, and the requests running are held up
+        twice, not once a step for many steps.
       mixed_prefill_tokens: in a step that runs decoding requests (past their
         prompts), and while no more requests wait than decode, the prompt tokens
         it computes (new admissions and the next chunks of prompts begun earlier,
@@ -264,7 +264,7 @@ class SchedulerConfig:
     admission_delay_budget: int = attrs.field(default=0, validator=_at_least(0))
     admission_min_tokens: int = attrs.field(default=128, validator=_at_least(1))
     admission_drain_steps: int = attrs.field(default=32, validator=_at_least(1))
-    admission_split_bursts: bool = False
+    admission_burst_split: int = attrs.field(default=0, validator=_at_least(0))
     mixed_prefill_tokens: int = attrs.field(default=0, validator=_at_least(0))
     mixed_prefill_per_decode: float = attrs.field(default=2.0, validator=_at_least(0.0))
     enable_chunked_prefill: bool = True

@@ -583,13 +583,14 @@ class Scheduler:
     def _admission_share(self, burst: bool) -> tuple[int, int]:
         """In a step that runs earlier requests: the tokens its admissions may take
         (`admission_delay_budget`; 0: no limit), and how many of them join whatever
-        the share; under `admission_split_bursts`, in a `burst` (more requests
-        waited than ran as the step began), the older half of them and no more. A share splits prompts, so it needs chunking; a backlog beyond the
-        free seats is admitted without one, so the seats stay filled."""
+        the share; under `admission_burst_split` N, in a `burst` (more requests
+        waited than ran as the step began), the oldest 1/N of them and no more. A
+        share splits prompts, so it needs chunking; a backlog beyond the free seats
+        is admitted without one, so the seats stay filled."""
         config = self.config
         num_running, num_waiting = len(self.running), len(self.policy)
-        if config.admission_split_bursts and burst:
-            return 1, -(-num_waiting // 2)  # the older half, whole; then no more
+        if config.admission_burst_split > 1 and burst:
+            return 1, -(-num_waiting // config.admission_burst_split)  # whole; then no more
         if (not config.admission_delay_budget or not config.enable_chunked_prefill
                 or num_waiting > config.max_num_seqs - num_running):
             return 0, 0

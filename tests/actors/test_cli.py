@@ -14,7 +14,8 @@ import pytest
 from cadence.actors import ConfigError, cli
 from cadence.actors.bench import add_bench_parser
 from cadence.actors.engine import demo_model_dir
-from cadence.actors.engine_args import SERVE_ADMISSION_DELAY_BUDGET, SERVE_MIXED_PREFILL_TOKENS, engine_config_from_args
+from cadence.actors.engine_args import (SERVE_ADMISSION_DELAY_BUDGET, SERVE_BURST_SPLIT,
+                                         SERVE_MIXED_PREFILL_TOKENS, engine_config_from_args)
 from cadence.actors.serve.server import add_serve_parser
 from cadence.actors.wire import DEFAULT_PORT
 from cadence.statemachine.config import SchedulerConfig
@@ -184,22 +185,24 @@ def test_a_cpu_server_splits_bursts_and_bounds_prompts_beside_decodes_and_others
     cpu = engine_config_from_args(serve.parse_args(["--device", "cpu"])).scheduler
     assert cpu.mixed_prefill_tokens == SERVE_MIXED_PREFILL_TOKENS > 0
     assert cpu.mixed_prefill_per_decode == SchedulerConfig().mixed_prefill_per_decode
-    assert cpu.admission_split_bursts and cpu.admission_delay_budget == 0
+    assert (cpu.admission_burst_split, cpu.admission_delay_budget) == (SERVE_BURST_SPLIT, 0)
     # A GPU's prompt tokens beside decodes are cheap: it keeps the share.
     cuda = engine_config_from_args(serve.parse_args(["--device", "cuda"])).scheduler
-    assert (cuda.mixed_prefill_tokens, cuda.admission_split_bursts) == (0, False)
+    assert (cuda.mixed_prefill_tokens, cuda.admission_burst_split) == (0, 0)
     assert cuda.admission_delay_budget == SERVE_ADMISSION_DELAY_BUDGET
     simulated = engine_config_from_args(serve.parse_args(["--model", "simulated"])).scheduler
-    assert (simulated.mixed_prefill_tokens, simulated.admission_split_bursts) == (0, False)
+    assert (simulated.mixed_prefill_tokens, simulated.admission_burst_split) == (0, 0)
     given = engine_config_from_args(serve.parse_args(
         ["--device", "cpu", "--mixed-prefill-tokens", "7", "--mixed-prefill-per-decode", "0.5",
-         "--no-split-bursts", "--admission-delay-budget", "99"])).scheduler
+         "--burst-split", "0", "--admission-delay-budget", "99"])).scheduler
     assert (given.mixed_prefill_tokens, given.mixed_prefill_per_decode) == (7, 0.5)
-    assert (given.admission_split_bursts, given.admission_delay_budget) == (False, 99)
-    split = engine_config_from_args(serve.parse_args(["--device", "cuda", "--split-bursts"])).scheduler
-    assert split.admission_split_bursts
+    assert (given.admission_burst_split, given.admission_delay_budget) == (0, 99)
+    split = engine_config_from_args(serve.parse_args(["--device", "cuda", "--burst-split", "2"])).scheduler
+    assert split.admission_burst_split == 2
     defaults = SchedulerConfig()  # the embedded engine and LLM
-    assert (defaults.mixed_prefill_tokens, defaults.admission_split_bursts) == (0, False)
+    assert (defaults.mixed_prefill_tokens, defaults.admission_burst_split) == (0, 0)
+    with pytest.raises(ConfigError, match="--burst-split must be >= 0"):
+        engine_config_from_args(serve.parse_args(["--burst-split", "-1"]))
     with pytest.raises(ConfigError, match="--mixed-prefill-tokens must be >= 0"):
         engine_config_from_args(serve.parse_args(["--mixed-prefill-tokens", "-1"]))
     with pytest.raises(ConfigError, match="mixed_prefill_per_decode"):

@@ -132,7 +132,7 @@ def test_admissions_past_their_share_are_rejected():
 MIXED = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=12, max_model_len=12,
                         mixed_prefill_tokens=2, mixed_prefill_per_decode=0.0)
 SPLIT = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=12, max_model_len=10,
-                        admission_split_bursts=True)
+                        admission_burst_split=2)
 
 
 def long_prompt_beside_a_decode(h: CheckedHarness) -> None:
@@ -146,7 +146,7 @@ def long_prompt_beside_a_decode(h: CheckedHarness) -> None:
 # half of a burst of 3 beside 1 running request (the core admits all 3).
 RULES = {
     "mixed": (MIXED, long_prompt_beside_a_decode, dict(mixed_prefill_tokens=0), "prompt tokens beside"),
-    "split": (SPLIT, burst_beside_a_running_request, dict(admission_split_bursts=False), "older half"),
+    "split": (SPLIT, burst_beside_a_running_request, dict(admission_burst_split=0), "more than 1/2"),
 }
 
 

@@ -2,8 +2,8 @@
 than decode, a step computes a bounded number of prompt tokens (new admissions and
 the next chunks of prompts begun earlier together), so decode steps stay short;
 with nothing decoding, or a larger burst waiting, admission is as without it.
-`admission_split_bursts`: beside running requests, while more wait than run, a step
-admits the older half of those waiting."""
+`admission_burst_split` N: beside running requests, while more wait than run, a step
+admits the oldest 1/N of those waiting."""
 
 from __future__ import annotations
 
@@ -176,7 +176,7 @@ def test_prompts_beside_decodes_all_finish_and_give_back_every_block():
 
 
 def test_a_burst_beside_running_requests_joins_in_two_halves():
-    s = decoding(2, admission_split_bursts=True, mixed_prefill_tokens=4, mixed_prefill_per_decode=0.0)
+    s = decoding(2, admission_burst_split=2, mixed_prefill_tokens=4, mixed_prefill_per_decode=0.0)
     for i in range(7):  # 7 waiting beside 2 running: the older 4, whole, then the other 3
         s.add_request(make_request(f"b{i}", 10, max_tokens=4, ignore_eos=True, arrival_s=1.0 + i))
     plan, events = step(s)
@@ -188,12 +188,20 @@ def test_a_burst_beside_running_requests_joins_in_two_halves():
 
 
 def test_a_split_burst_larger_than_the_bound_admits_joins_whole_in_its_second_step():
-    s = decoding(2, admission_split_bursts=True, mixed_prefill_tokens=1, mixed_prefill_per_decode=0.0)
+    s = decoding(2, admission_burst_split=2, mixed_prefill_tokens=1, mixed_prefill_per_decode=0.0)
     for i in range(7):
         s.add_request(make_request(f"b{i}", 10, max_tokens=4, ignore_eos=True, arrival_s=1.0 + i))
     assert admissions(step(s)[1]) == ["b0", "b1", "b2", "b3"]
     # 30 waiting tokens > 16 steps of a bound of 1: joined as without it.
     assert admissions(step(s)[1]) == ["b4", "b5", "b6"]
+
+
+def test_a_burst_split_in_thirds_joins_a_third_a_step():
+    s = decoding(1, admission_burst_split=3)
+    for i in range(9):  # 9 waiting beside 1 running: 3, then 2 of the 6 left beside 4
+        s.add_request(make_request(f"b{i}", 10, max_tokens=4, ignore_eos=True, arrival_s=1.0 + i))
+    assert admissions(step(s)[1]) == ["b0", "b1", "b2"]
+    assert admissions(step(s)[1]) == ["b3", "b4"]
 
 
 def test_without_a_split_a_burst_joins_at_once():
@@ -207,10 +215,11 @@ def test_without_a_split_a_burst_joins_at_once():
 @pytest.mark.parametrize("policy", ["fcfs", "priority", "fair"])
 def test_split_bursts_lose_no_request_and_no_block(policy, seed):
     rng = random.Random(seed)
+    split = rng.choice([2, 3])
     s = make_scheduler(policy, num_blocks=40, block_size=4, max_num_seqs=6, max_num_batched_tokens=32,
-                       admission_split_bursts=True, admission_delay_budget=rng.choice([0, 24]),
+                       admission_burst_split=split, admission_delay_budget=rng.choice([0, 24]),
                        admission_min_tokens=3, mixed_prefill_tokens=rng.choice([0, 5]))
-    events, split = [], 0
+    events, num_split = [], 0
     for t in range(3000):
         if t < 24:
             s.add_request(random_request(rng, f"r{t}", float(t)))
@@ -218,10 +227,10 @@ def test_split_bursts_lose_no_request_and_no_block(policy, seed):
         plan, new = step(s, float(t))
         events += new
         if num_running and num_waiting > num_running:
-            assert len(plan.new_requests) <= -(-(num_waiting + len(plan.preempted_ids)) // 2)
-            split += 1
+            assert len(plan.new_requests) <= -(-(num_waiting + len(plan.preempted_ids)) // split)
+            num_split += 1
         if t >= 24 and not s.has_work():
             break
-    assert split, "the trace was meant to split a burst"
+    assert num_split, "the trace was meant to split a burst"
     assert not s.has_work() and len(completions(events)) == 24
     assert s.blocks.num_free_blocks == 40

@@ -108,7 +108,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             admission_min_tokens=draw(st.sampled_from([1, 4]), label="admission min tokens"),
             mixed_prefill_tokens=draw(st.sampled_from([0, 0, 0, 2, 6]), label="mixed prefill tokens"),
             mixed_prefill_per_decode=draw(st.sampled_from([0.0, 2.0]), label="mixed per decode"),
-            admission_split_bursts=draw(st.booleans(), label="split bursts"),
+            admission_burst_split=draw(st.sampled_from([0, 2, 3]), label="burst split"),
             enable_priority_scheduling=draw(st.sampled_from([True, True, False]), label="priorities"),
             aging_steps=draw(st.sampled_from([0, 2, 16]), label="aging_steps"),
             default_deadline_s=draw(st.sampled_from([1.0, 4.0, 60.0]), label="default_deadline_s"),
