@@ -206,12 +206,11 @@ def _runs_on_cpu(args: argparse.Namespace, executor: str) -> bool:
     """Whether the model runs on a CPU (the simulated executor runs none)."""
     if executor == "simulated":
         return False
-    device = args.device
-    if device == "auto":
-        import torch
+    if args.device == "auto":
+        from cadence.gpu.runner import resolve_device
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return str(device).split(":")[0] == "cpu"
+        return resolve_device("auto").type == "cpu"
+    return str(args.device).split(":")[0] == "cpu"
 
 
 def _cpu_default(value: int | None, option: str, on_cpu: bool, cpu: int, other: int) -> int:

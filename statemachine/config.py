@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import attrs
 
 from .errors import ConfigError
@@ -18,9 +20,14 @@ MIXED_DRAIN_STEPS = 16
 
 def _at_least(minimum: float):
     def check(instance, attribute, value) -> None:
-        if value < minimum:
+        if not value >= minimum:  # NaN too
             raise ConfigError(f"{attribute.name} must be >= {minimum}, got {value!r}")
     return check
+
+
+def _finite(instance, attribute, value) -> None:
+    if not math.isfinite(value):
+        raise ConfigError(f"{attribute.name} must be finite, got {value!r}")
 
 
 def _one_of(name: str, choices: tuple[str, ...]):
@@ -266,7 +273,7 @@ class SchedulerConfig:
     admission_drain_steps: int = attrs.field(default=32, validator=_at_least(1))
     admission_burst_split: int = attrs.field(default=0, validator=_at_least(0))
     mixed_prefill_tokens: int = attrs.field(default=0, validator=_at_least(0))
-    mixed_prefill_per_decode: float = attrs.field(default=2.0, validator=_at_least(0.0))
+    mixed_prefill_per_decode: float = attrs.field(default=2.0, validator=[_at_least(0.0), _finite])
     enable_chunked_prefill: bool = True
     policy: str = attrs.field(default="fcfs", validator=_policy_name)
     enable_priority_scheduling: bool = True

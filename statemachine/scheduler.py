@@ -25,7 +25,7 @@ from .errors import (
 )
 from .fsm import FinishReason, RequestEventKind, RequestState
 from .plan import NewRequestData, RequestEvent, StepPlan, StepResult
-from .policy import SchedulingPolicy, make_policy, waiting_requests
+from .policy import SchedulingPolicy, make_policy
 from .request import Request, RequestGroup
 from .stats import StatsCollector, StatsSummary
 
@@ -572,12 +572,13 @@ class Scheduler:
         if not num_decoding or num_waiting > num_decoding:
             return None
         limit = max(floor, int(config.mixed_prefill_per_decode * num_decoding))
-        if num_waiting:
+        if num_waiting:  # the live requests are at most twice those running here: no sort
             allowance = limit * MIXED_DRAIN_STEPS
-            for request in waiting_requests(self.policy):
-                allowance -= request.num_tokens
-            if allowance < 0:
-                return None
+            for request in self.requests.values():
+                if request.state is PENDING:
+                    allowance -= request.num_tokens
+                    if allowance < 0:
+                        return None
         return limit
 
     def _admission_share(self, burst: bool) -> tuple[int, int]:

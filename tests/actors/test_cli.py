@@ -207,6 +207,9 @@ def test_a_cpu_server_splits_bursts_and_bounds_prompts_beside_decodes_and_others
         engine_config_from_args(serve.parse_args(["--mixed-prefill-tokens", "-1"]))
     with pytest.raises(ConfigError, match="mixed_prefill_per_decode"):
         engine_config_from_args(serve.parse_args(["--device", "cpu", "--mixed-prefill-per-decode", "-1"]))
+    for hostile in ("nan", "inf"):  # argparse takes both as floats
+        with pytest.raises(ConfigError, match="mixed_prefill_per_decode must be"):
+            engine_config_from_args(serve.parse_args(["--device", "cpu", "--mixed-prefill-per-decode", hostile]))
 
 
 def test_the_readme_serves_where_bench_looks():
