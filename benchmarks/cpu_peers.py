@@ -356,15 +356,22 @@ def _post_stream(port: int, body: dict, timeout_s: float = 600.0):
 
 def _one_request(port: int, model: str, prompt: list[int]) -> dict:
     body = dict(model=model, prompt=prompt, max_tokens=OUTPUT_LEN, temperature=0.0, stream=True,
-                ignore_eos=True)
+                ignore_eos=True, stream_options=dict(include_usage=True))
     start = time.perf_counter()
-    arrivals = []
+    arrivals, finish, generated = [], None, None
     for now, chunk in _post_stream(port, body):
+        if chunk.get("usage"):
+            generated = chunk["usage"].get("completion_tokens")
         if chunk.get("choices") and chunk["choices"][0].get("text"):
             arrivals.append(now)
+        if chunk.get("choices"):
+            finish = chunk["choices"][0].get("finish_reason") or finish
     end = time.perf_counter()
     if not arrivals:
         raise RuntimeError("no text streamed")
+    if finish != "length" or generated != OUTPUT_LEN:  # both servers must do the same work
+        raise RuntimeError(f"request ended with finish_reason {finish!r} after {generated} tokens, "
+                           f"not 'length' after {OUTPUT_LEN}")
     return dict(ttft_s=arrivals[0] - start, itls=[b - a for a, b in zip(arrivals, arrivals[1:])], end=end)
 
 
