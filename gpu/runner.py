@@ -282,7 +282,7 @@ class ModelRunner:
       constructing thread before the first kernel (which should be the thread that
       runs `execute`); "auto" follows `cadence.gpu.threads`, None leaves torch's.
     pin_threads: pin the constructing thread and its compute team one per core when
-      `num_threads` is set (see `cadence.gpu.threads.pin_compute_threads`); the
+      `num_threads` is 2 or more (see `cadence.gpu.threads.pin_compute_threads`); the
       engine's executors ask for it, since their model thread is the runner's own.
     cpu_path: how a CPU runner computes its products: "packed" (weights prepacked
       for oneDNN, q/k/v and gate/up merged; `cadence.gpu.cpu_linear`) or "eager"
