@@ -564,15 +564,12 @@ class Scheduler:
         floor = config.mixed_prefill_tokens
         if not floor or not config.enable_chunked_prefill:
             return None
-        num_decoding = 0
-        for request in self.running:
-            if len(request.all_token_ids) - request.num_computed_tokens <= 1:
-                num_decoding += 1
+        num_decoding = sum(r.num_tokens - r.num_computed_tokens <= 1 for r in self.running)
         num_waiting = len(self.policy)
         if not num_decoding or num_waiting > num_decoding:
             return None
         limit = max(floor, int(config.mixed_prefill_per_decode * num_decoding))
-        if num_waiting:  # the live requests are at most twice those running here: no sort
+        if num_waiting:  # no more wait than decode, so this walks at most twice the running
             allowance = limit * MIXED_DRAIN_STEPS
             for request in self.requests.values():
                 if request.state is PENDING:
