@@ -689,6 +689,11 @@ async def open_engine(config: EngineConfig | None = None, *,
 
 def _executor_options(config: EngineConfig) -> dict[str, OptionValue]:
     options = dict(config.executor_options)
+    # The KV blocks the running requests can hold at once: what a CPU runner faults in
+    # at start (`cadence.gpu.host_memory`), so that no step meets their first-touch faults.
+    sched, cache = config.scheduler, config.cache
+    options.setdefault("prefault_blocks", min(cache.num_blocks, sched.max_num_seqs * -(-sched.max_model_len
+                                                                                        // cache.block_size)))
     if config.grammar_cache_size != DEFAULT_GRAMMAR_CACHE_SIZE:
         options.setdefault("grammar_cache_size", config.grammar_cache_size)
     return options

@@ -123,6 +123,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="how the model computes on a CPU: packed (oneDNN-prepacked merged "
                             "products), eager (torch's plain ops); auto is packed where the dtype "
                             "can be packed")
+    group.add_argument("--prefault-blocks", type=int, default=None, metavar="N",
+                       help="KV blocks a CPU executor faults in as it starts, so that no step pays "
+                            "their first-touch page faults (default: none for serve, whose cache "
+                            "fills with its traffic; else as many as --max-num-seqs sequences of "
+                            "--max-model-len hold), at most 1 GiB")
     group.add_argument("--max-waiting", type=int, default=None,
                        help="requests the waiting queue holds before refusing with queue_full "
                             f"(default: {SchedulerConfig().max_waiting})")
@@ -223,7 +228,8 @@ def _cpu_default(value: int | None, option: str, on_cpu: bool, cpu: int, other: 
 
 
 def cpu_options(args: argparse.Namespace) -> dict:
-    """Executor options for the CPU: --threads and --cpu-path, where they differ from auto."""
+    """Executor options for the CPU: --threads and --cpu-path where they differ from auto,
+    and --prefault-blocks where given."""
     options: dict = {}
     threads = getattr(args, "threads", "auto")
     if threads != "auto":
@@ -235,6 +241,11 @@ def cpu_options(args: argparse.Namespace) -> dict:
             raise ConfigError(f"--threads must be 'auto' or an integer >= 1, got {threads!r}")
     if getattr(args, "cpu_path", "auto") != "auto":
         options["cpu_path"] = args.cpu_path
+    prefault = getattr(args, "prefault_blocks", None)
+    if prefault is not None:
+        if prefault < 0:
+            raise ConfigError(f"--prefault-blocks must be >= 0, got {prefault}")
+        options["prefault_blocks"] = prefault
     return options
 
 

@@ -361,7 +361,7 @@ def _build_model_runner(init: InitExecutor) -> ModelRunnerLike:
         "pin_threads": True,
     }
     for name in ("attention_backend", "gpu_memory_utilization", "max_num_seqs", "fused_elementwise",
-                 "num_threads", "cpu_path", "pin_threads"):
+                 "num_threads", "cpu_path", "pin_threads", "prefault_blocks"):
         if name in options:
             kwargs[name] = options[name]
     if init.model in gpu_config.PRESETS:
@@ -388,7 +388,7 @@ def _build_tensor_parallel_runner(init: InitExecutor, tp: int) -> ModelRunnerLik
         # The engine's model thread is the runner's own: its compute threads get cores.
         "pin_threads": True,
     }
-    for name in ("attention_backend", "gpu_memory_utilization", "max_num_seqs"):
+    for name in ("attention_backend", "gpu_memory_utilization", "max_num_seqs", "prefault_blocks"):
         if name in init.options:
             spec[name] = init.options[name]
     timeout_s = float(init.options.get("tp_timeout_s", parallel.DEFAULT_TIMEOUT_S))

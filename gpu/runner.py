@@ -33,7 +33,7 @@ from cadence.statemachine.errors import ConfigError, ExecutorError
 from cadence.statemachine.plan import StepPlan, StepResult
 from cadence.statemachine.sampling import SamplingParams, StructuredOutput
 
-from . import cpu_kernels, cpu_linear, openmp_env
+from . import cpu_kernels, cpu_linear, host_memory, openmp_env
 from .attention import AttentionMetadata, get_attention_backend
 from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs, DecodeInputs, StagingBuffer, graph_batch_sizes
@@ -281,6 +281,9 @@ class ModelRunner:
     num_threads: torch's CPU threads while this runner computes, set from the
       constructing thread before the first kernel (which should be the thread that
       runs `execute`); "auto" follows `cadence.gpu.threads`, None leaves torch's.
+    prefault_blocks: on CPU, the KV blocks faulted in when the runner is built (at most
+      `host_memory.PREFAULT_MAX_BYTES` of them); None is as many as `max_num_seqs`
+      sequences of `max_model_len` hold. The engine passes what its scheduler can run.
     pin_threads: pin the constructing thread and its compute team one per core when
       `num_threads` is 2 or more (see `cadence.gpu.threads.pin_compute_threads`); the
       engine's executors ask for it, since their model thread is the runner's own.
@@ -330,6 +333,7 @@ class ModelRunner:
         num_threads: int | str | None = AUTO,
         cpu_path: str = AUTO,
         pin_threads: bool = False,
+        prefault_blocks: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}")
@@ -403,9 +407,13 @@ class ModelRunner:
             num_blocks = self._profile_num_blocks(gpu_memory_utilization, max_num_batched_tokens, max_num_seqs)
         if num_blocks < 1:
             raise ConfigError(f"num_blocks must be >= 1, got {num_blocks}")
+        if prefault_blocks is not None and prefault_blocks < 0:
+            raise ConfigError(f"prefault_blocks must be >= 0, got {prefault_blocks}")
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks
         self.kv_caches = self._allocate_kv_caches(num_blocks)
+        if self.device.type == "cpu":
+            self._reserve_host_memory(prefault_blocks)
         self.decode_graphs: DecodeGraphs | None = None
         if self.use_cuda_graphs or pad_decode_batches:
             with torch.inference_mode():
@@ -930,6 +938,21 @@ class ModelRunner:
         else:
             cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         return [(cache[layer, 0], cache[layer, 1]) for layer in range(c.num_layers)]
+
+    def _reserve_host_memory(self, prefault_blocks: int | None) -> None:
+        """On CPU: keep freed tensors for reuse, and fault in the first `prefault_blocks`
+        KV blocks (None: as many as `max_num_seqs` sequences of `max_model_len` hold), at
+        most `host_memory.PREFAULT_MAX_BYTES`, so that the steps meet neither cost
+        (`cadence.gpu.host_memory`)."""
+        host_memory.keep_freed_memory()
+        block_bytes = self.kv_block_bytes()
+        if prefault_blocks is None:
+            prefault_blocks = self.max_num_seqs * self._max_blocks_per_seq
+        wanted = min(self.num_blocks, prefault_blocks, host_memory.PREFAULT_MAX_BYTES // block_bytes)
+        start = time.perf_counter()
+        done = host_memory.prefault([cache for pair in self.kv_caches for cache in pair], wanted)
+        _log.info("KV cache: %d of %d blocks (%d MiB) faulted in at start in %.2f s",
+                  done // block_bytes, self.num_blocks, done >> 20, time.perf_counter() - start)
 
     def _graph_pool_bytes(self, max_num_seqs: int) -> int:
         """A bound on the decode graphs' memory: logits of the largest batch, its activations, library workspaces."""

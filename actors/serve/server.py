@@ -586,6 +586,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                     "drains: running requests get --shutdown-grace-s to finish; a second "
                     "signal aborts them at once.")
     add_engine_arguments(parser)
+    # A server's cache fills with its traffic: its memory grows with use, not at start.
+    parser.set_defaults(prefault_blocks=0)
     net = parser.add_argument_group("sockets")
     net.add_argument("--host", default="127.0.0.1",
                      help="TCP address to listen on (default: 127.0.0.1, this machine only)")

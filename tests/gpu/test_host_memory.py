@@ -1,0 +1,151 @@
+"""The CPU runner's host memory: the KV blocks faulted in at start, and freed tensors kept for reuse."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+import sys
+
+import attrs
+import pytest
+import torch
+
+from cadence.actors.engine import EngineConfig, _executor_options
+from cadence.gpu import host_memory
+from cadence.gpu.config import preset
+from cadence.gpu.runner import ModelRunner, zeroed_cpu_tensor
+from cadence.statemachine.config import CacheConfig, SchedulerConfig
+from cadence.statemachine.errors import ConfigError
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="page faults counted on Linux only")
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _faults_writing(address: int, length: int) -> int:
+    """Minor page faults this thread takes writing `length` bytes at `address`."""
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    ctypes.memset(address, 1, length)
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+
+
+@linux_only
+def test_prefault_faults_in_exactly_the_first_blocks_of_every_slab():
+    # 3 layers, K and V, 64 blocks of 16 KiB each: four pages a block.
+    cache = zeroed_cpu_tensor((3, 2, 64, 16, 4, 64), torch.float32)
+    slabs = [cache[layer, kv] for layer in range(3) for kv in range(2)]
+    block_bytes = slabs[0].stride(0) * slabs[0].element_size()
+    done = host_memory.prefault(slabs, 24)
+    if done == 0:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14+): blocks fault on first use")
+    assert done == 6 * 24 * block_bytes
+    for slab in slabs:
+        pages = 24 * block_bytes // PAGE
+        assert _faults_writing(slab.data_ptr(), 24 * block_bytes) <= pages // 20
+        # The blocks past the bound were left alone: they fault when first written.
+        assert _faults_writing(slab.data_ptr() + 24 * block_bytes, 16 * block_bytes) >= 16 * block_bytes // PAGE * 9 // 10
+
+
+def test_prefault_keeps_what_the_blocks_hold():
+    cache = zeroed_cpu_tensor((1, 2, 8, 16, 2, 32), torch.float32)
+    slabs = [cache[0, 0], cache[0, 1]]
+    slabs[0][:3].normal_()
+    slabs[1][5].fill_(7.0)
+    before = [slab.clone() for slab in slabs]
+    host_memory.prefault(slabs, 8)
+    assert all(torch.equal(a, b) for a, b in zip(slabs, before))
+
+
+def test_prefault_of_no_blocks_does_nothing():
+    cache = zeroed_cpu_tensor((1, 2, 4, 16, 1, 32), torch.float32)
+    assert host_memory.prefault([cache[0, 0], cache[0, 1]], 0) == 0
+
+
+@linux_only
+def test_freed_tensors_are_reused_without_faults_once_kept():
+    if not host_memory.keep_freed_memory():
+        pytest.skip("not glibc's malloc, or the user set its thresholds")
+    size = 96 << 20  # past glibc's largest automatic mmap threshold (32 MiB): mapped afresh each time by default
+
+    def faults_of_one_tensor() -> int:
+        tensor = torch.empty(size, dtype=torch.uint8)
+        faults = _faults_writing(tensor.data_ptr(), size)
+        del tensor
+        return faults
+
+    faults_of_one_tensor()
+    assert faults_of_one_tensor() <= size // PAGE // 20
+
+
+def test_the_users_malloc_settings_are_left_alone(monkeypatch):
+    calls = []
+
+    class Libc:
+        def mallopt(self, param, value):
+            calls.append((param, value))
+            return 1
+
+    monkeypatch.setattr(host_memory, "_kept", None)
+    monkeypatch.setattr(host_memory, "_libc", lambda: Libc())
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
+    assert host_memory.keep_freed_memory() is False
+    assert calls == []
+    monkeypatch.setattr(host_memory, "_kept", None)
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
+    for name in host_memory.USER_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    assert host_memory.keep_freed_memory() is True
+    assert calls == [(host_memory.M_MMAP_THRESHOLD, host_memory.MMAP_THRESHOLD),
+                     (host_memory.M_TRIM_THRESHOLD, host_memory.TRIM_THRESHOLD)]
+
+
+def _prefaulted(monkeypatch, **kwargs) -> int:
+    asked = []
+    monkeypatch.setattr(host_memory, "prefault", lambda slabs, n: asked.append((len(slabs), n)) or 0)
+    ModelRunner(preset("tiny"), device="cpu", **kwargs)
+    (num_slabs, num_blocks), = asked
+    assert num_slabs == 2 * preset("tiny").num_layers
+    return num_blocks
+
+
+def test_the_runner_faults_in_what_its_sequences_can_hold(monkeypatch):
+    # 4 sequences of 64 positions in blocks of 16: 16 blocks of the 100.
+    assert _prefaulted(monkeypatch, num_blocks=100, max_num_seqs=4, max_model_len=64) == 16
+    assert _prefaulted(monkeypatch, num_blocks=10, max_num_seqs=4, max_model_len=64) == 10
+    assert _prefaulted(monkeypatch, num_blocks=100, max_num_seqs=4, max_model_len=64, prefault_blocks=7) == 7
+    assert _prefaulted(monkeypatch, num_blocks=100, prefault_blocks=0) == 0
+    with pytest.raises(ConfigError, match="prefault_blocks"):
+        ModelRunner(preset("tiny"), num_blocks=4, device="cpu", prefault_blocks=-1)
+
+
+def test_the_runner_never_faults_in_more_than_the_cap(monkeypatch):
+    monkeypatch.setattr(host_memory, "PREFAULT_MAX_BYTES", 0)
+    assert _prefaulted(monkeypatch, num_blocks=100, max_num_seqs=4, max_model_len=64) == 0
+
+
+def test_the_engine_asks_for_the_blocks_its_scheduler_can_run():
+    config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=100),
+                          cache=CacheConfig(num_blocks=1000, block_size=16))
+    assert _executor_options(config)["prefault_blocks"] == 8 * 7  # ceil(100 / 16) blocks a sequence
+    small = attrs.evolve(config, cache=CacheConfig(num_blocks=20, block_size=16))
+    assert _executor_options(small)["prefault_blocks"] == 20
+    given = attrs.evolve(config, executor_options={"prefault_blocks": 3})
+    assert _executor_options(given)["prefault_blocks"] == 3
+
+
+def test_the_command_line_sets_the_count_and_serve_faults_in_none():
+    import argparse
+
+    from cadence.actors.engine_args import add_engine_arguments, cpu_options
+    from cadence.actors.serve.server import add_serve_parser
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert "prefault_blocks" not in cpu_options(parser.parse_args([]))
+    assert cpu_options(parser.parse_args(["--prefault-blocks", "12"]))["prefault_blocks"] == 12
+    with pytest.raises(ConfigError, match="--prefault-blocks"):
+        cpu_options(parser.parse_args(["--prefault-blocks", "-1"]))
+    commands = argparse.ArgumentParser().add_subparsers()
+    serve = add_serve_parser(commands)
+    assert cpu_options(serve.parse_args([]))["prefault_blocks"] == 0
+    assert cpu_options(serve.parse_args(["--prefault-blocks", "40"]))["prefault_blocks"] == 40
