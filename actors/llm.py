@@ -64,6 +64,7 @@ _EXECUTOR_OPTION = "executor_options."
 EXECUTOR_OPTION_NAMES: dict[str, str] = {
     "num_threads": "executor_options.num_threads",
     "cpu_path": "executor_options.cpu_path",
+    "prefault_blocks": "executor_options.prefault_blocks",
 }
 # vLLM keywords taken with no Cadence option behind them, and why.
 VLLM_ACCEPTED = {
