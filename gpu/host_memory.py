@@ -36,7 +36,7 @@ process), 34 MB serving 64 requests at concurrency 32, and 0.1-0.7 s at start fo
 Kept memory has a shape cost besides: torch asks malloc for 64-byte-aligned blocks,
 which glibc serves from a block a little larger than the one it returns, so a freed
 block is a little too small for the next request of the same size. A loop making and
-freeing one 96 MiB tensor settled at 8 copies in the heap (40 MiB and under do the
+freeing one 96 MiB tensor settled at 8 copies in the heap (8 and 24 MiB ones do the
 same by default; above 32 MiB the default maps them afresh instead). A 32 MiB
 threshold, which keeps the default's mapping of the largest tensors, measured 5%
 slower at batch 64 on 2 threads (878-924 tok/s against 895-988) for 30-50 MB less
