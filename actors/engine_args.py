@@ -127,7 +127,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="KV blocks a CPU executor faults in as it starts, so that no step pays "
                             "their first-touch page faults (default: none for serve, whose cache "
                             "fills with its traffic; else as many as --max-num-seqs sequences of "
-                            "--max-model-len hold), at most 1 GiB")
+                            "--max-model-len hold), at most the weights' size and 1 GiB")
     group.add_argument("--max-waiting", type=int, default=None,
                        help="requests the waiting queue holds before refusing with queue_full "
                             f"(default: {SchedulerConfig().max_waiting})")

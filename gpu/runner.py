@@ -282,8 +282,9 @@ class ModelRunner:
       constructing thread before the first kernel (which should be the thread that
       runs `execute`); "auto" follows `cadence.gpu.threads`, None leaves torch's.
     prefault_blocks: on CPU, the KV blocks faulted in when the runner is built (at most
-      `host_memory.PREFAULT_MAX_BYTES` of them); None is as many as `max_num_seqs`
-      sequences of `max_model_len` hold. The engine passes what its scheduler can run.
+      as many bytes as the weights, and `host_memory.PREFAULT_MAX_BYTES`); None is as
+      many as `max_num_seqs` sequences of `max_model_len` hold. The engine passes what
+      its scheduler can run.
     pin_threads: pin the constructing thread and its compute team one per core when
       `num_threads` is 2 or more (see `cadence.gpu.threads.pin_compute_threads`); the
       engine's executors ask for it, since their model thread is the runner's own.
@@ -372,6 +373,7 @@ class ModelRunner:
         self.backend = get_attention_backend(attention_backend)
         self.fused_elementwise = self._resolve_fused_elementwise(fused_elementwise, attention_backend)
         self.model = self._build_model(weights_path, seed)
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())  # before packing
         self.cpu_path = self._resolve_cpu_path(cpu_path)
         # Greedy rows' tokens: torch's argmax, or the CPU kernels' (the same answers, ties
         # and NaNs included, several times faster over a 32k vocabulary).
@@ -413,7 +415,7 @@ class ModelRunner:
         self.scratch_block = num_blocks
         self.kv_caches = self._allocate_kv_caches(num_blocks)
         if self.device.type == "cpu":
-            self._reserve_host_memory(prefault_blocks)
+            self._reserve_host_memory(prefault_blocks, weight_bytes)
         self.decode_graphs: DecodeGraphs | None = None
         if self.use_cuda_graphs or pad_decode_batches:
             with torch.inference_mode():
@@ -939,16 +941,17 @@ class ModelRunner:
             cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         return [(cache[layer, 0], cache[layer, 1]) for layer in range(c.num_layers)]
 
-    def _reserve_host_memory(self, prefault_blocks: int | None) -> None:
+    def _reserve_host_memory(self, prefault_blocks: int | None, weight_bytes: int) -> None:
         """On CPU: keep freed tensors for reuse, and fault in the first `prefault_blocks`
         KV blocks (None: as many as `max_num_seqs` sequences of `max_model_len` hold), at
-        most `host_memory.PREFAULT_MAX_BYTES`, so that the steps meet neither cost
-        (`cadence.gpu.host_memory`)."""
+        most as many bytes as the weights take and `host_memory.PREFAULT_MAX_BYTES`, so
+        that the steps meet neither cost (`cadence.gpu.host_memory`)."""
         host_memory.keep_freed_memory()
         block_bytes = self.kv_block_bytes()
         if prefault_blocks is None:
             prefault_blocks = self.max_num_seqs * self._max_blocks_per_seq
-        wanted = min(self.num_blocks, prefault_blocks, host_memory.PREFAULT_MAX_BYTES // block_bytes)
+        wanted = min(self.num_blocks, prefault_blocks,
+                     min(weight_bytes, host_memory.PREFAULT_MAX_BYTES) // block_bytes)
         start = time.perf_counter()
         done = host_memory.prefault([cache for pair in self.kv_caches for cache in pair], wanted)
         _log.info("KV cache: %d of %d blocks (%d MiB) faulted in at start in %.2f s",

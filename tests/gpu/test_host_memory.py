@@ -121,6 +121,14 @@ def test_the_runner_faults_in_what_its_sequences_can_hold(monkeypatch):
         ModelRunner(preset("tiny"), num_blocks=4, device="cpu", prefault_blocks=-1)
 
 
+def test_the_runner_faults_in_no_more_than_its_weights_take(monkeypatch):
+    plain = ModelRunner(preset("tiny"), num_blocks=1, device="cpu", cpu_path="eager")  # weights unpacked
+    weight_bytes = sum(p.numel() * p.element_size() for p in plain.model.parameters())
+    block_bytes = plain.kv_block_bytes()
+    assert weight_bytes // block_bytes < 1000
+    assert _prefaulted(monkeypatch, num_blocks=1000, prefault_blocks=1000) == weight_bytes // block_bytes
+
+
 def test_the_runner_never_faults_in_more_than_the_cap(monkeypatch):
     monkeypatch.setattr(host_memory, "PREFAULT_MAX_BYTES", 0)
     assert _prefaulted(monkeypatch, num_blocks=100, max_num_seqs=4, max_model_len=64) == 0
