@@ -19,7 +19,7 @@ __all__ = ["Tokenizer", "ByteTokenizer", "IncrementalDetokenizer", "KeepSpecialT
            "stop_automaton", "StopStringMatcher", "TextAssembler", "max_bytes_per_token"]
 
 _REPLACEMENT = "\ufffd"
-# Longest UTF-8 sequence: after this many held tokens a trailing U+FFFD is real text.
+# Longest UTF-8 sequence: after this many held tokens a trailing U+FFFD may be real text.
 _MAX_HELD_TOKENS = 4
 # Prompt tokens kept as decoding context, so a first token that decodes differently
 # after a word (leading spaces in sentencepiece vocabularies) comes out right.
@@ -157,9 +157,22 @@ class IncrementalDetokenizer:
         ids = self.ids
         ids.append(token_id)
         text = self.tokenizer.decode(ids[self.prefix:])
-        if text.endswith(_REPLACEMENT) and len(ids) - self.read < _MAX_HELD_TOKENS:
+        if not text.endswith(_REPLACEMENT):
+            return self._advance(text)
+        held = len(ids) - self.read
+        if held < _MAX_HELD_TOKENS:
             return ""
-        return self._advance(text)
+        # Held long enough for the last character to be real text, or a new one still
+        # incomplete: release the tokens whose text is settled (every character but the
+        # last one is: adding bytes only changes how an incomplete tail decodes).
+        settled = text[:-1]
+        for end in range(len(ids) - 1, self.read, -1):
+            head = self.tokenizer.decode(ids[self.prefix:end])
+            if settled.startswith(head) and head.startswith(self.prefix_text):
+                return self._advance(head, end)
+        if held < _MAX_HELD_TOKENS * _MAX_HELD_TOKENS:
+            return ""
+        return self._advance(text)  # no token boundary settles: give up holding
 
     def flush(self) -> str:
         """Return whatever is held back (an incomplete character decodes as U+FFFD)."""
@@ -167,7 +180,9 @@ class IncrementalDetokenizer:
             return ""
         return self._advance(self.tokenizer.decode(self.ids[self.prefix:]))
 
-    def _advance(self, text: str) -> str:
+    def _advance(self, text: str, end: int | None = None) -> str:
+        """Emit `text` (the decode of the window up to `end`, default all held tokens)
+        past what was already said, and move the window on to `end`."""
         prefix_text = self.prefix_text
         if text.startswith(prefix_text):
             new = text[len(prefix_text):]
@@ -176,7 +191,7 @@ class IncrementalDetokenizer:
             # whitespace, normalisation): emit only what lies past its length.
             new = text[len(prefix_text):] if len(text) > len(prefix_text) else ""
         ids = self.ids
-        self.prefix, self.read = self.read, len(ids)
+        self.prefix, self.read = self.read, len(ids) if end is None else end
         if self.prefix > _TRIM_AT:
             del ids[:self.prefix]
             self.read -= self.prefix

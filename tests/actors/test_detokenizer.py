@@ -4,7 +4,7 @@ however the text is cut into deltas, with nothing of it released early."""
 
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from cadence.actors.detokenizer import (
@@ -36,10 +36,28 @@ def test_invalid_bytes_come_out_as_replacement_characters_without_stalling():
 
 
 @given(st.text(max_size=40))
+@example("\ufffd")
+@example("x\ufffd\ufffd\ufffd\ufffd\ufffdé")
 def test_deltas_concatenate_to_the_text(text):
     pieces = detokenize(list(text.encode()))
     assert "".join(pieces) == text
-    assert all("\ufffd" not in piece for piece in pieces)
+    if "\ufffd" not in text:  # a split character never shows as U+FFFD
+        assert all("\ufffd" not in piece for piece in pieces)
+
+
+@given(st.binary(max_size=40))
+@example(b"\xe2\x82\xff\xff\xe2\x82\xac")
+def test_any_bytes_come_out_as_their_whole_decode(data):
+    """Byte-fallback tokens can spell invalid UTF-8; the deltas still add up to the
+    decode of all of them, whatever mix of real and replacement characters."""
+    pieces = detokenize(list(data))
+    assert "".join(pieces) == data.decode("utf-8", errors="replace")
+
+
+def test_a_replacement_character_in_the_text_itself_is_released():
+    pieces = detokenize(list("a\ufffdb".encode()))
+    assert "".join(pieces) == "a\ufffdb"
+    assert pieces[-1] == "", "the text's own U+FFFD is streamed, not held until flush"
 
 
 def test_stop_string_split_over_deltas_is_found_and_held_back():
