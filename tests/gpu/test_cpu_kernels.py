@@ -387,7 +387,7 @@ def test_argmax_kernel_gives_torchs_index_with_ties_infinities_and_nans(kernel, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 29, 128])
 @pytest.mark.parametrize("out_features, in_features, with_bias", [(100, 48, True), (32, 768, False),
                                                                     (1536, 64, True)])
 @pytest.mark.parametrize("num_threads", [1, 2])
@@ -403,10 +403,13 @@ def test_small_batch_product_matches_the_reference(kernel, dtype, rows, out_feat
     threads = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
-        got = small.product(x, small.pack(weight), bias, out_features)
+        packed = small.pack(weight)
+        got = small.product(x, packed, bias, out_features)
+        one_by_one = torch.cat([small.product(row, packed, bias, out_features) for row in x.split(1)])
         linear = cpu_linear.PackedLinear(weight, bias, small_batch=small)
         assert linear.small_weight is not None
-        through_linear, many = linear(x), linear(torch.cat([x] * 3))  # the small product, then oneDNN's
+        many = torch.cat([x] * (small.rows // rows + 1))
+        through_linear, through_onednn = linear(x), linear(many)  # the small product, then oneDNN's
     finally:
         torch.set_num_threads(threads)
     want = F.linear(x.double(), weight.double(), None if bias is None else bias.double()).float()
@@ -414,7 +417,11 @@ def test_small_batch_product_matches_the_reference(kernel, dtype, rows, out_feat
     tolerance = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=8e-3)
     torch.testing.assert_close(got.float(), want, **tolerance)
     assert torch.equal(through_linear, got)
-    torch.testing.assert_close(many.float(), torch.cat([want] * 3), atol=5e-2, rtol=2e-2)
+    # A row's sums run in the same order whatever rows share the product (runs of rows
+    # over one weight group included): its result does not depend on the batch.
+    assert torch.equal(one_by_one, got)
+    torch.testing.assert_close(through_onednn.float(), torch.cat([want] * (small.rows // rows + 1)),
+                               atol=5e-2, rtol=2e-2)
 
 
 def _random_decode_step(config, dtype, num_seqs, seed=0):
@@ -438,7 +445,7 @@ def _random_decode_step(config, dtype, num_seqs, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_seqs", [1, 5, 12])
+@pytest.mark.parametrize("num_seqs", [1, 5, 12, 130])
 def test_the_decode_stack_gives_the_layers_results_bit_for_bit(kernel, dtype, num_seqs):
     """The C++ decode-step stack runs the layers' own ops in their order: the same final
     hidden states and the same cache contents, exactly, for batches the small-batch
