@@ -788,7 +788,7 @@ constexpr int64_t kSmallAhead = 64;
 
 #ifdef CADENCE_AVX512
 // Float32: each input of a group is one 128-byte run of its 32 outputs' weights.
-template <int kM>
+template <int kM, bool kFetch = true>
 void small_product_rows(const float* x, int64_t x_stride, const float* weight, const float* bias, float* y,
                         int64_t y_stride, int64_t inputs, int64_t out_features, int64_t first_group,
                         int64_t last_group) {
@@ -797,7 +797,7 @@ void small_product_rows(const float* x, int64_t x_stride, const float* weight, c
     for (int m = 0; m < kM; ++m) sums[m][0] = sums[m][1] = _mm512_setzero_ps();
     const float* group = weight + g * inputs * kSmallColumns;
     for (int64_t k = 0; k < inputs; ++k) {
-      if (kM > 1) {
+      if (kM > 1 && kFetch) {
         const char* soon = reinterpret_cast<const char*>(group + (k + kSmallAhead) * kSmallColumns);
         __builtin_prefetch(soon);
         __builtin_prefetch(soon + 64);
@@ -824,7 +824,7 @@ void small_product_rows(const float* x, int64_t x_stride, const float* weight, c
 
 #ifdef __AVX512BF16__
 // Bfloat16: each pair of inputs of a group is one 128-byte run of its 32 outputs' two weights.
-template <int kM>
+template <int kM, bool kFetch = true>
 void small_product_rows(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* weight,
                         const at::BFloat16* bias, at::BFloat16* y, int64_t y_stride, int64_t inputs,
                         int64_t out_features, int64_t first_group, int64_t last_group) {
@@ -834,7 +834,7 @@ void small_product_rows(const at::BFloat16* x, int64_t x_stride, const at::BFloa
     for (int m = 0; m < kM; ++m) sums[m][0] = sums[m][1] = _mm512_setzero_ps();
     const at::BFloat16* group = weight + g * pairs * 2 * kSmallColumns;
     for (int64_t kp = 0; kp < pairs; ++kp) {
-      if (kM > 1) {
+      if (kM > 1 && kFetch) {
         const char* soon = reinterpret_cast<const char*>(group + (kp + kSmallAhead) * 2 * kSmallColumns);
         __builtin_prefetch(soon);
         __builtin_prefetch(soon + 64);
@@ -868,11 +868,11 @@ void small_product_rows(const at::BFloat16* x, int64_t x_stride, const at::BFloa
 }
 #endif
 
-template <typename scalar_t>
+template <typename scalar_t, bool kFetch>
 void small_product_dispatch(int64_t rows, const scalar_t* x, int64_t x_stride, const scalar_t* w, const scalar_t* b,
                             scalar_t* y, int64_t out_features, int64_t inputs, int64_t first_group, int64_t last_group) {
 #ifdef CADENCE_AVX512
-#define CADENCE_ROWS_CASE(n) case n: small_product_rows<n>(x, x_stride, w, b, y, out_features, inputs, out_features, first_group, last_group); break;
+#define CADENCE_ROWS_CASE(n) case n: small_product_rows<n, kFetch>(x, x_stride, w, b, y, out_features, inputs, out_features, first_group, last_group); break;
   switch (rows) {
     CADENCE_ROWS_CASE(1) CADENCE_ROWS_CASE(2) CADENCE_ROWS_CASE(3) CADENCE_ROWS_CASE(4)
     CADENCE_ROWS_CASE(5) CADENCE_ROWS_CASE(6) CADENCE_ROWS_CASE(7) CADENCE_ROWS_CASE(8)
@@ -902,7 +902,13 @@ void small_product_all(const at::Tensor& x, const at::Tensor& packed, const c10:
         for (int64_t first = 0; first < rows; first += run_rows) {
           const scalar_t* xr = xs + first * x_stride;
           scalar_t* yr = ys + first * out_features;
-          small_product_dispatch(std::min(run_rows, rows - first), xr, x_stride, w, b, yr, out_features, inputs, g, g + 1);
+          const int64_t n = std::min(run_rows, rows - first);
+          // Only the first run's weight comes from memory: the others skip the prefetches.
+          if (first == 0) {
+            small_product_dispatch<scalar_t, true>(n, xr, x_stride, w, b, yr, out_features, inputs, g, g + 1);
+          } else {
+            small_product_dispatch<scalar_t, false>(n, xr, x_stride, w, b, yr, out_features, inputs, g, g + 1);
+          }
         }
       }
     });
@@ -928,7 +934,7 @@ void small_product_all(const at::Tensor& x, const at::Tensor& packed, const c10:
 // kSmallColumns, P] of a [out_features, K] one (P = 2 in bfloat16, 1 in float32), plus bias.
 at::Tensor small_product(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                          int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(0) <= kProductRows, "x must be [<= 128, K], rows contiguous");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K], rows contiguous");
   TORCH_CHECK(x.scalar_type() == packed.scalar_type(), "x and the weight must share a dtype");
   TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(2) == kSmallColumns &&
               packed.size(1) * packed.size(3) == x.size(1) && packed.size(0) * kSmallColumns >= out_features,
@@ -936,16 +942,23 @@ at::Tensor small_product(const at::Tensor& x, const at::Tensor& packed, const c1
   TORCH_CHECK(!bias.has_value() || (bias->is_contiguous() && bias->numel() == out_features &&
                                     bias->scalar_type() == x.scalar_type()), "bias must be [out_features] of x's dtype");
   auto y = torch::empty({x.size(0), out_features}, x.options());
-  if (x.scalar_type() == at::kFloat) {
-    TORCH_CHECK(packed.size(3) == 1, "float32 weights are packed one input at a time");
-    small_product_all<float>(x, packed, bias, y, out_features);
+  TORCH_CHECK(packed.size(3) == (x.scalar_type() == at::kBFloat16 ? 2 : 1),
+              "float32 weights are packed one input at a time, bfloat16 two");
+  // Blocks of kProductRows rows, each over every group of the weight (which stays in
+  // the last-level cache from one block to the next).
+  for (int64_t first = 0; first < x.size(0); first += kProductRows) {
+    const int64_t n = std::min(kProductRows, x.size(0) - first);
+    const at::Tensor xb = x.narrow(0, first, n);
+    at::Tensor yb = y.narrow(0, first, n);
+    if (x.scalar_type() == at::kFloat) {
+      small_product_all<float>(xb, packed, bias, yb, out_features);
 #ifdef __AVX512BF16__
-  } else if (x.scalar_type() == at::kBFloat16) {
-    TORCH_CHECK(packed.size(3) == 2, "bfloat16 weights are packed two inputs at a time");
-    small_product_all<at::BFloat16>(x, packed, bias, y, out_features);
+    } else if (x.scalar_type() == at::kBFloat16) {
+      small_product_all<at::BFloat16>(xb, packed, bias, yb, out_features);
 #endif
-  } else {
-    TORCH_CHECK(false, "the small-batch product takes float32 (and bfloat16 with AVX512_BF16)");
+    } else {
+      TORCH_CHECK(false, "the small-batch product takes float32 (and bfloat16 with AVX512_BF16)");
+    }
   }
   return y;
 }
@@ -972,16 +985,21 @@ std::vector<std::string> small_product_dtypes() {
 // closing residual add is done by the next norm (`rms_norm` with a residual rounds
 // the sum as torch's add would), and the last by the final norm.
 
-// x times a prepacked weight (oneDNN's, or for at most kProductRows rows `small`, where given).
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& small,
-                         const c10::optional<at::Tensor>& bias, int64_t out_features) {
-  if (small.has_value() && x.size(0) <= kProductRows) return small_product(x, *small, bias, out_features);
+// x times a prepacked weight: `small` where given, for at most kProductRows rows or where
+// oneDNN's `weight` is not kept; else oneDNN's.
+at::Tensor packed_linear(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
+                         const c10::optional<at::Tensor>& small, const c10::optional<at::Tensor>& bias,
+                         int64_t out_features) {
+  if (small.has_value() && (x.size(0) <= kProductRows || !weight.has_value())) {
+    return small_product(x, *small, bias, out_features);
+  }
+  TORCH_CHECK(weight.has_value(), "a product needs a prepacked weight");
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
                                          c10::string_view, c10::List<c10::optional<at::Scalar>>,
                                          c10::optional<c10::string_view>)>();
-  return op.call(x, weight, bias, "none", c10::List<c10::optional<at::Scalar>>(), c10::string_view(""));
+  return op.call(x, *weight, bias, "none", c10::List<c10::optional<at::Scalar>>(), c10::string_view(""));
 }
 
 // The key and value rows [T, num_kv_heads, head_dim] (each token's heads side by side)
@@ -1002,8 +1020,9 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cach
 }
 
 struct DecodeStack {
-  // Per layer: input norm weight, then for qkv: weight, small-batch weight, bias; the same
-  // for o; the post-attention norm weight; the same three for gate_up and for down.
+  // Per layer: input norm weight, then for qkv: oneDNN's weight (or none), small-batch
+  // weight (or none, not both), bias; the same for o; the post-attention norm weight;
+  // the same three for gate_up and for down.
   std::vector<std::vector<c10::optional<at::Tensor>>> layers;
   at::Tensor final_norm;
   double eps, scale;
@@ -1036,18 +1055,18 @@ struct DecodeStack {
         normed = both[0];
         residual = both[1];
       }
-      at::Tensor qkv = packed_linear(normed, *w[1], w[2], w[3], q_size + 2 * kv_size);
+      at::Tensor qkv = packed_linear(normed, w[1], w[2], w[3], q_size + 2 * kv_size);
       at::Tensor q = rotated(qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim}), cos, sin);
       at::Tensor k = rotated(qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim}), cos, sin);
       at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
       store_kv(k, v, caches[2 * i], caches[2 * i + 1], slot_mapping);
       at::Tensor attended = paged_decode_attention(q, caches[2 * i], caches[2 * i + 1], block_tables, seq_lens, scale);
-      at::Tensor out = packed_linear(attended.view({tokens, q_size}), *w[4], w[5], w[6], hidden.size(1));
+      at::Tensor out = packed_linear(attended.view({tokens, q_size}), w[4], w[5], w[6], hidden.size(1));
       auto both = rms_norm(out, *w[7], eps, residual);
       residual = both[1];
-      at::Tensor gate_up = packed_linear(both[0], *w[8], w[9], w[10], 2 * intermediate);
+      at::Tensor gate_up = packed_linear(both[0], w[8], w[9], w[10], 2 * intermediate);
       auto halves = gate_up.chunk(2, -1);
-      x = packed_linear(at::silu(halves[0]).mul_(halves[1]), *w[11], w[12], w[13], hidden.size(1));
+      x = packed_linear(at::silu(halves[0]).mul_(halves[1]), w[11], w[12], w[13], hidden.size(1));
     }
     return rms_norm(x, final_norm, eps, residual)[0];
   }

@@ -151,10 +151,11 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 class SmallBatch:
-    """The kernels' product of at most `rows` rows (`small_product`), in `dtypes`: a
-    weight laid out by `pack` as groups of SMALL_COLUMNS outputs, each input of a group
-    (each pair of inputs in bfloat16) side by side ([groups, K / P, SMALL_COLUMNS, P]
-    with P = 2 in bfloat16 and 1 in float32; the last group padded with zeros)."""
+    """The kernels' product (`small_product`) in `dtypes`, made for at most `rows` rows
+    (more run in blocks of `rows`), of a weight laid out by `pack` as groups of
+    SMALL_COLUMNS outputs, each input of a group (each pair of inputs in bfloat16) side
+    by side ([groups, K / P, SMALL_COLUMNS, P] with P = 2 in bfloat16 and 1 in float32;
+    the last group padded with zeros)."""
 
     def __init__(self, module) -> None:
         self.rows, self.columns = module.SMALL_ROWS, module.SMALL_COLUMNS

@@ -13,7 +13,8 @@ block's q/k/v projections become one product (`qkv_proj`), each MLP's gate and
 up projections another (`gate_up_proj`), every other projection and the output
 head are packed alone. The plain weights are released, so the packed model takes
 no more memory than the plain one (a tied output head keeps the embedding table
-for lookups beside its packed copy).
+for lookups beside its packed copy), except where the kernels' small-batch layout
+is kept beside oneDNN's (bfloat16: see `PackedLinear`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,12 @@ from torch import nn
 # 64, the same for bfloat16).
 PACK_BATCH_HINT = 64
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+# Dtypes whose products of more than the small-batch kernel's rows keep oneDNN's copy of
+# the weight. Measured on the 125M benchmark model's products, 256 to 8,192 rows, 1 and
+# 2 threads: the small-batch kernel in row blocks took 0.99-1.02x oneDNN's time in
+# float32 and 1.00-1.05x in bfloat16. So float32 holds one copy of each weight (the
+# 125M model's float32 server 400 MB smaller), bfloat16 two.
+LARGE_BATCH_ONEDNN_DTYPES = frozenset({torch.bfloat16})
 
 # The bytes of one product's output that stay in the cache for the ops that read it
 # next. A long prefill's MLP runs a slice of rows at a time, so that its [rows, 2 x
@@ -50,26 +57,31 @@ def packing_available(dtype: torch.dtype) -> bool:
 class PackedLinear(nn.Module):
     """y = x W^T + b with W prepacked; the last dimension of x is the input features.
 
-    `small_batch` (`cpu_kernels.SmallBatch`, where its kernel runs here) adds a second
-    layout of W for products of at most `small_batch.rows` (128) rows: decode steps
-    and small chunks, where oneDNN's blocking for large batches reads the weight at two
-    thirds of the memory's pace (at most 8 rows) or leaves the cores' multipliers
-    partly idle (10-28% slower to 64 rows). It costs a second copy of the weight.
+    `small_batch` (`cpu_kernels.SmallBatch`, where its kernel runs here) lays W out
+    for its kernel, which takes products of at most `small_batch.rows` (128) rows:
+    decode steps and small chunks, where oneDNN's blocking for large batches reads the
+    weight at two thirds of the memory's pace (at most 8 rows) or leaves the cores'
+    multipliers partly idle (10-28% slower to 64 rows). Larger products run there too,
+    in row blocks, unless W's dtype is in `LARGE_BATCH_ONEDNN_DTYPES`: then oneDNN's
+    layout is kept beside it, a second copy of the weight, for them.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, small_batch=None) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(),
-                                                                     PACK_BATCH_HINT)
+        self.dtype = weight.dtype
         self.bias = None if bias is None else bias.detach().clone()
         self.small_batch = small_batch if small_batch is not None and small_batch.fits(weight, bias) else None
         self.small_weight = None if self.small_batch is None else self.small_batch.pack(weight.detach())
+        self.packed_weight = None
+        if self.small_batch is None or weight.dtype in LARGE_BATCH_ONEDNN_DTYPES:
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(),
+                                                                         PACK_BATCH_HINT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The product for x [..., in_features]."""
         rows = x.reshape(-1, self.in_features)
-        if self.small_batch is not None and rows.shape[0] <= self.small_batch.rows:
+        if self.small_batch is not None and (rows.shape[0] <= self.small_batch.rows or self.packed_weight is None):
             out = self.small_batch.product(rows.contiguous(), self.small_weight, self.bias, self.out_features)
         else:
             out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")

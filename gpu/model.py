@@ -381,7 +381,7 @@ class CausalLM(nn.Module):
             mlp.gate_proj = mlp.up_proj = None
             mlp.down_proj = cpu_linear.packed(mlp.down_proj, small_batch=small_batch)
             mlp.chunk_rows = cpu_linear.rows_in_cache(2 * self.config.intermediate_size,
-                                                     mlp.down_proj.packed_weight.dtype)
+                                                     mlp.down_proj.dtype)
         head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
         self.packed_head = cpu_linear.PackedLinear(head.weight, None, small_batch=small_batch)
         self.lm_head = None

@@ -387,7 +387,7 @@ def test_argmax_kernel_gives_torchs_index_with_ties_infinities_and_nans(kernel, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 29, 128])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 29, 128, 300])
 @pytest.mark.parametrize("out_features, in_features, with_bias", [(100, 48, True), (32, 768, False),
                                                                     (1536, 64, True)])
 @pytest.mark.parametrize("num_threads", [1, 2])
@@ -409,19 +409,23 @@ def test_small_batch_product_matches_the_reference(kernel, dtype, rows, out_feat
         linear = cpu_linear.PackedLinear(weight, bias, small_batch=small)
         assert linear.small_weight is not None
         many = torch.cat([x] * (small.rows // rows + 1))
-        through_linear, through_onednn = linear(x), linear(many)  # the small product, then oneDNN's
+        # The small product, then the large-batch one: oneDNN's where its copy is kept.
+        through_linear, through_large = linear(x), linear(many)
     finally:
         torch.set_num_threads(threads)
     want = F.linear(x.double(), weight.double(), None if bias is None else bias.double()).float()
     # Float32 sums of exact products, rounded once to bfloat16 (a relative 2^-8 at most).
     tolerance = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=8e-3)
     torch.testing.assert_close(got.float(), want, **tolerance)
-    assert torch.equal(through_linear, got)
+    if rows <= small.rows or linear.packed_weight is None:  # the linear took the small product
+        assert torch.equal(through_linear, got)
     # A row's sums run in the same order whatever rows share the product (runs of rows
     # over one weight group included): its result does not depend on the batch.
     assert torch.equal(one_by_one, got)
-    torch.testing.assert_close(through_onednn.float(), torch.cat([want] * (small.rows // rows + 1)),
+    torch.testing.assert_close(through_large.float(), torch.cat([want] * (small.rows // rows + 1)),
                                atol=5e-2, rtol=2e-2)
+    # One copy of the weight where the small-batch kernel serves every batch size.
+    assert (linear.packed_weight is None) == (dtype not in cpu_linear.LARGE_BATCH_ONEDNN_DTYPES)
 
 
 def _random_decode_step(config, dtype, num_seqs, seed=0):
