@@ -779,6 +779,17 @@ constexpr int64_t kSmallColumns = 32;
 // 64, 1.01x at 128.
 constexpr int64_t kTileRows = 14;
 constexpr int64_t kProductRows = 128;
+
+// The most rows a product of this dtype takes here where oneDNN's copy is kept. Where
+// the CPU has AMX, oneDNN multiplies bfloat16 on its tiles, which this kernel does not
+// use: there bfloat16 keeps the 8-row bound it was measured with (not measured on such
+// a machine).
+inline int64_t product_rows(at::ScalarType dtype) {
+#ifdef __AMX_BF16__
+  if (dtype == at::kBFloat16) return kSmallRows;
+#endif
+  return kProductRows;
+}
 // Weight runs a product of several rows prefetches ahead of the one it multiplies
 // (8 KiB): the hardware's prefetcher alone left them waiting on memory (at 8 rows,
 // 15-19 -> 24-29 GB/s in bfloat16 and float32 over 48 weights of the 125M model; a
@@ -985,12 +996,12 @@ std::vector<std::string> small_product_dtypes() {
 // closing residual add is done by the next norm (`rms_norm` with a residual rounds
 // the sum as torch's add would), and the last by the final norm.
 
-// x times a prepacked weight: `small` where given, for at most kProductRows rows or where
+// x times a prepacked weight: `small` where given, for at most product_rows rows or where
 // oneDNN's `weight` is not kept; else oneDNN's.
 at::Tensor packed_linear(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
                          const c10::optional<at::Tensor>& small, const c10::optional<at::Tensor>& bias,
                          int64_t out_features) {
-  if (small.has_value() && (x.size(0) <= kProductRows || !weight.has_value())) {
+  if (small.has_value() && (x.size(0) <= product_rows(x.scalar_type()) || !weight.has_value())) {
     return small_product(x, *small, bias, out_features);
   }
   TORCH_CHECK(weight.has_value(), "a product needs a prepacked weight");
@@ -1098,6 +1109,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("small_product_dtypes", &small_product_dtypes, "the dtypes small_product takes on this CPU");
   m.attr("SMALL_ROWS") = kProductRows;
+  m.def("product_rows", [](const std::string& dtype) {
+    return product_rows(dtype == "bfloat16" ? at::kBFloat16 : at::kFloat);
+  }, "the most rows a product of this dtype takes on the small-batch path beside oneDNN's copy");
   m.attr("SMALL_COLUMNS") = kSmallColumns;
   m.def("argmax", &argmax, "torch.argmax(x, dim=-1) of rows", py::call_guard<py::gil_scoped_release>());
 }

@@ -159,8 +159,16 @@ class SmallBatch:
 
     def __init__(self, module) -> None:
         self.rows, self.columns = module.SMALL_ROWS, module.SMALL_COLUMNS
-        self.dtypes = frozenset(getattr(torch, name) for name in module.small_product_dtypes())
+        names = module.small_product_dtypes()
+        self.dtypes = frozenset(getattr(torch, name) for name in names)
+        # Beside oneDNN's copy, the most rows a product takes here (fewer in bfloat16
+        # where oneDNN has AMX tiles), the same bound the decode stack applies.
+        self._rows_by_dtype = {getattr(torch, name): module.product_rows(name) for name in names}
         self.product = module.small_product
+
+    def rows_for(self, dtype: torch.dtype) -> int:
+        """The most rows a product of `dtype` runs here where oneDNN's copy is kept."""
+        return self._rows_by_dtype.get(dtype, self.rows)
 
     def fits(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         per_run = 2 if weight.dtype == torch.bfloat16 else 1

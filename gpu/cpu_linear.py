@@ -58,7 +58,7 @@ class PackedLinear(nn.Module):
     """y = x W^T + b with W prepacked; the last dimension of x is the input features.
 
     `small_batch` (`cpu_kernels.SmallBatch`, where its kernel runs here) lays W out
-    for its kernel, which takes products of at most `small_batch.rows` (128) rows:
+    for its kernel, which takes products of at most `small_rows` (128) rows:
     decode steps and small chunks, where oneDNN's blocking for large batches reads the
     weight at two thirds of the memory's pace (at most 8 rows) or leaves the cores'
     multipliers partly idle (10-28% slower to 64 rows). Larger products run there too,
@@ -73,6 +73,7 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().clone()
         self.small_batch = small_batch if small_batch is not None and small_batch.fits(weight, bias) else None
         self.small_weight = None if self.small_batch is None else self.small_batch.pack(weight.detach())
+        self.small_rows = 0 if self.small_batch is None else self.small_batch.rows_for(weight.dtype)
         self.packed_weight = None
         if self.small_batch is None or weight.dtype in LARGE_BATCH_ONEDNN_DTYPES:
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(),
@@ -81,7 +82,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The product for x [..., in_features]."""
         rows = x.reshape(-1, self.in_features)
-        if self.small_batch is not None and (rows.shape[0] <= self.small_batch.rows or self.packed_weight is None):
+        if self.small_batch is not None and (rows.shape[0] <= self.small_rows or self.packed_weight is None):
             out = self.small_batch.product(rows.contiguous(), self.small_weight, self.bias, self.out_features)
         else:
             out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")

@@ -417,7 +417,7 @@ def test_small_batch_product_matches_the_reference(kernel, dtype, rows, out_feat
     # Float32 sums of exact products, rounded once to bfloat16 (a relative 2^-8 at most).
     tolerance = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=8e-3)
     torch.testing.assert_close(got.float(), want, **tolerance)
-    if rows <= small.rows or linear.packed_weight is None:  # the linear took the small product
+    if rows <= linear.small_rows or linear.packed_weight is None:  # the linear took the small product
         assert torch.equal(through_linear, got)
     # A row's sums run in the same order whatever rows share the product (runs of rows
     # over one weight group included): its result does not depend on the batch.
@@ -426,6 +426,18 @@ def test_small_batch_product_matches_the_reference(kernel, dtype, rows, out_feat
                                atol=5e-2, rtol=2e-2)
     # One copy of the weight where the small-batch kernel serves every batch size.
     assert (linear.packed_weight is None) == (dtype not in cpu_linear.LARGE_BATCH_ONEDNN_DTYPES)
+
+
+def test_small_batch_row_bounds_follow_the_cpu(kernel):
+    """Beside oneDNN's copy, products of up to 128 rows take the small-batch path, but
+    bfloat16 keeps the 8-row bound where the CPU has AMX (oneDNN's tiles)."""
+    small = cpu_kernels.small_batch()
+    if small is None:
+        pytest.skip("this CPU's kernels have no small-batch product (it needs AVX-512)")
+    assert small.rows == 128 and small.rows_for(torch.float32) == 128
+    if torch.bfloat16 in small.dtypes:
+        amx = "amx_bf16" in cpu_kernels._cpu_flags().split()
+        assert small.rows_for(torch.bfloat16) == (8 if amx else 128)
 
 
 def _random_decode_step(config, dtype, num_seqs, seed=0):
