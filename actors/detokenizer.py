@@ -21,6 +21,8 @@ __all__ = ["Tokenizer", "ByteTokenizer", "IncrementalDetokenizer", "KeepSpecialT
 _REPLACEMENT = "\ufffd"
 # Longest UTF-8 sequence: after this many held tokens a trailing U+FFFD may be real text.
 _MAX_HELD_TOKENS = 4
+# Held tokens after which a tail with no settled token boundary is released as it decodes.
+_GIVE_UP_HELD_TOKENS = 16
 # Prompt tokens kept as decoding context, so a first token that decodes differently
 # after a word (leading spaces in sentencepiece vocabularies) comes out right.
 _CONTEXT_TOKENS = 4
@@ -170,7 +172,7 @@ class IncrementalDetokenizer:
             head = self.tokenizer.decode(ids[self.prefix:end])
             if settled.startswith(head) and head.startswith(self.prefix_text):
                 return self._advance(head, end)
-        if held < _MAX_HELD_TOKENS * _MAX_HELD_TOKENS:
+        if held < _GIVE_UP_HELD_TOKENS:
             return ""
         return self._advance(text)  # no token boundary settles: give up holding
 

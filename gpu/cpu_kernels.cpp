@@ -904,38 +904,22 @@ void small_product_all(const at::Tensor& x, const at::Tensor& packed, const c10:
   const scalar_t* b = bias.has_value() ? bias->data_ptr<scalar_t>() : nullptr;
   auto* ys = y.data_ptr<scalar_t>();
   const int64_t rows = x.size(0), x_stride = x.stride(0), inputs = x.size(1), groups = packed.size(0);
-  if (rows > kSmallRows) {
-    // Row runs of equal size (at most kTileRows each), each group's weight read once
-    // from memory by the first run and from the cache by the others.
-    const int64_t runs = (rows + kTileRows - 1) / kTileRows, run_rows = (rows + runs - 1) / runs;
-    at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
-      for (int64_t g = begin; g < end; ++g) {
-        for (int64_t first = 0; first < rows; first += run_rows) {
-          const scalar_t* xr = xs + first * x_stride;
-          scalar_t* yr = ys + first * out_features;
-          const int64_t n = std::min(run_rows, rows - first);
-          // Only the first run's weight comes from memory: the others skip the prefetches.
-          if (first == 0) {
-            small_product_dispatch<scalar_t, true>(n, xr, x_stride, w, b, yr, out_features, inputs, g, g + 1);
-          } else {
-            small_product_dispatch<scalar_t, false>(n, xr, x_stride, w, b, yr, out_features, inputs, g, g + 1);
-          }
+  // Row runs of equal size (at most kTileRows each; one run up to kSmallRows rows), each
+  // group's weight read from memory by the first run and from the cache by the others.
+  const int64_t runs = (rows + kTileRows - 1) / kTileRows, run_rows = runs ? (rows + runs - 1) / runs : 0;
+  at::parallel_for(0, groups, rows > kSmallRows ? 4 : 8, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      for (int64_t first = 0; first < rows; first += run_rows) {
+        const scalar_t* xr = xs + first * x_stride;
+        scalar_t* yr = ys + first * out_features;
+        const int64_t n = std::min(run_rows, rows - first);
+        // Only the first run's weight comes from memory: the others skip the prefetches.
+        if (first == 0) {
+          small_product_dispatch<scalar_t, true>(n, xr, x_stride, w, b, yr, out_features, inputs, g, g + 1);
+        } else {
+          small_product_dispatch<scalar_t, false>(n, xr, x_stride, w, b, yr, out_features, inputs, g, g + 1);
         }
       }
-    });
-    return;
-  }
-  at::parallel_for(0, groups, 8, [&](int64_t begin, int64_t end) {
-    switch (rows) {
-      case 0: break;
-      case 1: small_product_rows<1>(xs, x_stride, w, b, ys, out_features, inputs, out_features, begin, end); break;
-      case 2: small_product_rows<2>(xs, x_stride, w, b, ys, out_features, inputs, out_features, begin, end); break;
-      case 3: small_product_rows<3>(xs, x_stride, w, b, ys, out_features, inputs, out_features, begin, end); break;
-      case 4: small_product_rows<4>(xs, x_stride, w, b, ys, out_features, inputs, out_features, begin, end); break;
-      case 5: small_product_rows<5>(xs, x_stride, w, b, ys, out_features, inputs, out_features, begin, end); break;
-      case 6: small_product_rows<6>(xs, x_stride, w, b, ys, out_features, inputs, out_features, begin, end); break;
-      case 7: small_product_rows<7>(xs, x_stride, w, b, ys, out_features, inputs, out_features, begin, end); break;
-      default: small_product_rows<8>(xs, x_stride, w, b, ys, out_features, inputs, out_features, begin, end); break;
     }
   });
 #endif
