@@ -312,6 +312,7 @@ def _scheduler_extra(s, pos: dict[str, int] | None = None) -> tuple:
     if failed is not None and failed[0] == getattr(s, "_queue_version", None):
         cut = getattr(s, "_admission_cut", None)
         memo = (failed[1] == s.blocks.num_releases, max(0, failed[2] - s.step_id),
+                failed[3] == getattr(s.blocks, "num_registered", 0),
                 getattr(s, "_min_need", 0),
                 None if cut is None else (pos or {}).get(cut.request_id, cut.request_id))
     # Requests whose computation was lost with the executor, by position.

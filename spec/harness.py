@@ -436,7 +436,7 @@ _FAIR_FIELDS = frozenset({"config", "counters", "queues", "num_active", "_count"
 _BLOCK_FIELDS = frozenset({"num_blocks", "block_size", "enable_prefix_caching", "ref_counts",
                            "free_ids", "evictable", "retained", "_unretained", "block_key",
                            "cached", "tables", "num_hashed", "num_query_tokens", "num_hit_tokens",
-                           "num_evictions", "num_releases"})
+                           "num_evictions", "num_releases", "num_registered"})
 
 
 def _clone_blocks(bm):

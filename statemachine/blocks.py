@@ -96,6 +96,9 @@ class BlockManager:
         self.num_evictions = 0
         # Tables given back so far (a finish, abort or preemption): blocks may be free again.
         self.num_releases = 0
+        # Blocks registered in the prefix cache so far: a waiting request's cached
+        # prefix can only have grown since a count that this still equals.
+        self.num_registered = 0
 
     # ---- queries ---------------------------------------------------------------
     @property
@@ -201,6 +204,7 @@ class BlockManager:
             if key not in cached and block_key[block] is None:
                 cached[key] = block
                 block_key[block] = key
+                self.num_registered += 1
         self.num_hashed[rid] = num_full
 
     def free(self, request_id: str, retain: bool = False) -> None:

@@ -57,6 +57,9 @@ class KeyedPolicy:
     preempts_running = False
     #: Whether `on_scheduled` / `on_tokens` do anything; lets the scheduler skip them.
     charges_tokens = False
+    #: Whether the waiting order changes only by arrivals and removals (keys are
+    #: static); the scheduler's admission memo is exact only then.
+    static_order = True
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
@@ -289,6 +292,13 @@ class FairPolicy:
         self._examined: set[str] = set()
         self._count = 0
         self._seq = itertools.count(1)
+
+    @property
+    def static_order(self) -> bool:
+        """Whether the waiting order changes only by arrivals and removals: while
+        one tenant has been seen (first come, first served); with more, their
+        counters reorder the queue as they are served."""
+        return len(self._rank) <= 1
 
     def push(self, request: Request) -> None:
         tenant = request.tenant

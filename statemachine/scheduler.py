@@ -29,8 +29,9 @@ from .policy import SchedulingPolicy, make_policy
 from .request import Request, RequestGroup
 from .stats import StatsCollector, StatsSummary
 
-# Steps after a failed admission pass before the same pass is tried again when
-# neither the queue nor the set of held blocks has changed.
+# Under a policy that may displace running requests: steps after a failed admission
+# pass before the same pass is tried again when neither the queue nor the set of
+# held blocks has changed.
 ADMISSION_RETRY_STEPS = 16
 RUNNING = RequestState.RUNNING
 
@@ -80,12 +81,13 @@ class Scheduler:
         self._lost: set[str] = set()
         self._deadline_of = getattr(self.policy, "deadline_of", None)
         self._checker = None
-        # Admission memo: a pass that admitted nothing is not repeated until the
-        # queue changes, blocks are freed or ADMISSION_RETRY_STEPS pass (it would fail
-        # the same way, or nearly: the projected reserve shrinks as requests near their ends).
+        # Admission memo: a pass that admitted nothing for want of blocks is not
+        # repeated while it would fail the same way (see `_failed_pass_stands`):
+        # the queue version, release count, retry step and prefix-cache
+        # registration count it failed at.
         self._queue_version = 0
         self._num_arrivals = 0
-        self._failed_admission: tuple[int, int, int] | None = None
+        self._failed_admission: tuple[int, int, int, int] | None = None
         # The last request a failed pass examined before its lookahead ran out: an
         # arrival the policy orders after it would not be reached by the same pass.
         self._admission_cut: Request | None = None
@@ -347,11 +349,7 @@ class Scheduler:
 
         # 2. Waiting requests, in policy order, skipping those that do not fit.
         new_requests: list[NewRequestData] = []
-        failed = self._failed_admission
-        if (failed is not None and failed[0] == self._queue_version and step_id < failed[2]
-                and (failed[1] == blocks.num_releases or blocks.num_free_blocks
-                     - (self._margins()[1] if self.running else 0) < self._min_need)):
-            # The last pass's failure stands: nothing given back, or too little for anyone.
+        if self._failed_admission is not None and self._failed_pass_stands():
             self.collector.num_admission_memo_hits += 1
         elif len(policy) and ((budget > 0 and len(scheduled) < seats)
                               or getattr(policy, "preempts_running", True)):
@@ -768,7 +766,7 @@ class Scheduler:
             # The projection's reserve shrinks as running requests near their ends,
             # so a pass may succeed without a release: look again now and then.
             self._failed_admission = (self._queue_version, blocks.num_releases,
-                                      self.step_id + ADMISSION_RETRY_STEPS)
+                                      self.step_id + ADMISSION_RETRY_STEPS, blocks.num_registered)
             self._admission_cut = cut
             self._min_need = min_need
         else:
@@ -778,6 +776,36 @@ class Scheduler:
             if num_admitted > mark:
                 request.num_skips += 1
         return budget
+
+    def _failed_pass_stands(self) -> bool:
+        """Whether the last admission pass, which admitted nothing for want of
+        blocks, would fail the same way now, so that it need not run.
+
+        It stands while the same requests wait in the same order (arrivals since
+        count their need in, see `add_request`), no block was registered in the
+        prefix cache since (so no waiting request's need has shrunk), for at most
+        ADMISSION_RETRY_STEPS steps, and either fewer blocks are free beyond the
+        watermark than the least any of them needs, or nothing was given back
+        since and, under a policy whose order is static and that displaces no
+        running request, fewer are free beyond the reserve the pass would keep:
+        that reserve shrinks as running requests near their ends, with no release.
+        Under such a policy the memo changes no decision. Under `fair` (whose order
+        moves as tenants are served) and while a policy may displace running
+        requests, a pass may succeed sooner than the memo looks again."""
+        failed, blocks = self._failed_admission, self.blocks
+        # step_id already counts this step.
+        if (failed[0] != self._queue_version or self.step_id > failed[2]
+                or failed[3] != blocks.num_registered):
+            return False
+        running, policy = self.running, self.policy
+        free, need = blocks.num_free_blocks, self._min_need
+        if free - (self._margins()[1] if running else 0) < need:
+            return True
+        if failed[1] != blocks.num_releases:
+            return False
+        if getattr(policy, "preempts_running", True) or not getattr(policy, "static_order", False):
+            return True
+        return bool(running) and free - self._exact_projection()[2] < need
 
     def _projected_growth(self, excluded: Sequence[Request] = ()) -> tuple[float, int]:
         """How many blocks the running requests (less `excluded`) will take beyond
