@@ -167,3 +167,22 @@ def arrive(scheduler: Scheduler, rng: random.Random, arrivals: list[int], now: i
         i = total - len(arrivals)
         scheduler.add_request(random_request(rng, f"r{i}", float(arrivals.pop(0)), mixed=mixed))
 
+
+def drive(s, arrivals: dict[int, list], eos_after: dict[str, int], steps: int) -> list[tuple]:
+    """Run `steps` steps adding `arrivals[step]`; a request samples EOS once it
+    has `eos_after[rid]` tokens (else a filler). Returns each plan's decisions."""
+    return [drive_step(s, arrivals, eos_after, t) for t in range(steps)]
+
+
+def drive_step(s, arrivals: dict[int, list], eos_after: dict[str, int], t: int) -> tuple:
+    """One step of `drive` at time `t`: its plan's decisions."""
+    for r in arrivals.get(t, []):
+        s.add_request(r)
+    plan = s.schedule(float(t))
+    sampled = {}
+    for rid in sampling_ids(s, plan):
+        r = s.requests[rid]
+        sampled[rid] = [EOS if len(r.output_token_ids) + 1 >= eos_after.get(rid, 10**9) else 100]
+    s.update(plan, StepResult(plan.step_id, sampled))
+    return (dict(plan.num_scheduled_tokens), [d.request_id for d in plan.new_requests],
+            list(plan.preempted_ids))

@@ -8,10 +8,9 @@ import random
 
 import pytest
 
-from cadence.statemachine.plan import StepResult
 from cadence.statemachine.scheduler import Scheduler
 
-from core_helpers import EOS, make_request, make_scheduler, sampling_ids
+from core_helpers import drive, make_request, make_scheduler
 
 
 class Unmemoized(Scheduler):
@@ -45,26 +44,13 @@ def workload(seed: int, shared_prefix: bool, eos: bool, n: int = 48):
     return arrivals, eos_after
 
 
-def drive(s: Scheduler, arrivals, eos_after, steps: int = 400) -> list[tuple]:
-    plans = []
-    for t in range(steps):
-        for r in arrivals.get(t, []):
-            s.add_request(r)
-        plan = s.schedule(float(t))
-        sampled = {rid: [EOS if len(s.requests[rid].output_token_ids) + 1 >= eos_after[rid] else 100]
-                   for rid in sampling_ids(s, plan)}
-        s.update(plan, StepResult(plan.step_id, sampled))
-        plans.append((dict(plan.num_scheduled_tokens), [d.request_id for d in plan.new_requests],
-                      list(plan.preempted_ids)))
-        if not s.has_work() and t > 30:
-            break
-    return plans
-
-
 # Memory short of the arrivals, with the growth projection on: its reserve shrinks
 # as running requests near their ends, with no release.
 SHORT = dict(num_blocks=32, block_size=4, max_num_seqs=8, max_model_len=48,
              admission_headroom_steps=16, admission_growth_share=0.95, admission_watermark=0.02)
+
+# Enough steps for every request to finish.
+STEPS = 300
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority", "deadline", "fair"])
@@ -78,8 +64,8 @@ def test_the_memo_changes_no_decision(policy, caching, eos, seed):
     the projected reserve shrinks as running requests near their ends.)"""
     memo = make_scheduler(policy, enable_prefix_caching=caching, **SHORT)
     plain = unmemoized(make_scheduler(policy, enable_prefix_caching=caching, **SHORT))
-    plans = drive(memo, *workload(seed, caching, eos))
-    assert plans == drive(plain, *workload(seed, caching, eos))
+    plans = drive(memo, *workload(seed, caching, eos), STEPS)
+    assert plans == drive(plain, *workload(seed, caching, eos), STEPS)
     assert not memo.has_work(), "the trace did not finish"
     assert memo.collector.num_admission_memo_hits > 0
     assert plain.collector.num_admission_memo_hits == 0

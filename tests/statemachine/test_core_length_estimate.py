@@ -8,9 +8,8 @@ import random
 import pytest
 
 from cadence.statemachine.estimate import OutputLengthEstimator
-from cadence.statemachine.plan import StepResult
 
-from core_helpers import EOS, make_request, make_scheduler, sampling_ids
+from core_helpers import drive, drive_step, make_request, make_scheduler
 
 
 def test_prior_is_the_declared_limit_until_enough_requests_finish():
@@ -74,26 +73,6 @@ def test_predictions_stay_between_progress_and_limit(quantile):
         limit = rng.randint(1, 80)
         done = rng.randint(0, limit - 1)
         assert done < est.predict(done, limit) <= limit
-
-
-def drive(s, arrivals: dict[int, list], eos_after: dict[str, int], steps: int) -> list[tuple]:
-    """Run `steps` steps adding `arrivals[step]`; a request samples EOS once it
-    has `eos_after[rid]` tokens (else a filler). Returns each plan's decisions."""
-    return [drive_step(s, arrivals, eos_after, t) for t in range(steps)]
-
-
-def drive_step(s, arrivals: dict[int, list], eos_after: dict[str, int], t: int) -> tuple:
-    """One step of `drive` at time `t`: its plan's decisions."""
-    for r in arrivals.get(t, []):
-        s.add_request(r)
-    plan = s.schedule(float(t))
-    sampled = {}
-    for rid in sampling_ids(s, plan):
-        r = s.requests[rid]
-        sampled[rid] = [EOS if len(r.output_token_ids) + 1 >= eos_after.get(rid, 10**9) else 100]
-    s.update(plan, StepResult(plan.step_id, sampled))
-    return (dict(plan.num_scheduled_tokens), [d.request_id for d in plan.new_requests],
-            list(plan.preempted_ids))
 
 
 def workload(seed: int, n: int = 40, eos: bool = False):
