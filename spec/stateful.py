@@ -125,13 +125,14 @@ class SchedulerStateMachine(RuleBasedStateMachine):
                 enable_chunked_prefill=True,
                 admission_headroom_steps=draw(st.sampled_from([0, 0, 1, 4]), label="headroom"),
                 admission_delay_budget=draw(st.sampled_from([0, 0, 4, 12]), label="delay budget"))
-            # The prompt bound beside decodes and the burst split ride on the delay
-            # budget's draw (draws of their own would move the derandomized runs off the
-            # families they reach).
+            # The prompt bound beside decodes, the burst split and the finish hold (the
+            # CPU server's pair) ride on the delay budget's draw (draws of their own
+            # would move the derandomized runs off the families they reach).
             budget = self.config.admission_delay_budget
             self.config = attrs.evolve(self.config, mixed_prefill_tokens=budget // 4,
                                        mixed_prefill_per_decode=1.0,
-                                       admission_burst_split=2 if budget == 4 else 0)
+                                       admission_burst_split=2 if budget == 4 else 0,
+                                       admission_finish_hold_steps=2 if budget == 4 else 0)
             full = -(-self.config.max_model_len // self.cache_config.block_size)
             self.cache_config = attrs.evolve(
                 self.cache_config, num_blocks=draw(st.integers(full, full + 4), label="num_blocks"))

@@ -129,6 +129,14 @@ class SchedulerConfig:
         joins over two steps: its older half starts decoding a step sooner than
         if all of it shared one long step, and the requests running are held up
         twice, not once a step for many steps.
+      admission_finish_hold_steps: while every running request decodes in the
+        step and reaches its length limit within this many tokens, whatever it
+        samples, the step admits nothing: they finish first, over at most this
+        many steps, and the requests waiting then join together, without a
+        long prefill step stalling requests one or two tokens from their end
+        (0: off). A closed loop of clients whose requests came back one or two
+        steps apart otherwise stays split into groups for good, each group's
+        prefill stalling the others once per round.
       mixed_prefill_tokens: in a step that runs decoding requests (past their
         prompts), and while no more requests wait than decode, the prompt tokens
         it computes (new admissions and the next chunks of prompts begun earlier,
@@ -272,6 +280,7 @@ class SchedulerConfig:
     admission_min_tokens: int = attrs.field(default=128, validator=_at_least(1))
     admission_drain_steps: int = attrs.field(default=32, validator=_at_least(1))
     admission_burst_split: int = attrs.field(default=0, validator=_at_least(0))
+    admission_finish_hold_steps: int = attrs.field(default=0, validator=_at_least(0))
     mixed_prefill_tokens: int = attrs.field(default=0, validator=_at_least(0))
     mixed_prefill_per_decode: float = attrs.field(default=2.0, validator=[_at_least(0.0), _finite])
     enable_chunked_prefill: bool = True

@@ -351,6 +351,8 @@ class Scheduler:
         new_requests: list[NewRequestData] = []
         if self._failed_admission is not None and self._failed_pass_stands():
             self.collector.num_admission_memo_hits += 1
+        elif self._holds_for_finishing(scheduled):
+            self.collector.num_admission_finish_holds += 1
         elif len(policy) and ((budget > 0 and len(scheduled) < seats)
                               or getattr(policy, "preempts_running", True)):
             cap, num_uncapped = self._admission_share(burst) if scheduled else (0, 0)
@@ -552,6 +554,21 @@ class Scheduler:
         )
 
     # ---- internals -------------------------------------------------------------
+    def _holds_for_finishing(self, scheduled: dict[str, int]) -> bool:
+        """Whether this step admits nothing so that the requests running finish
+        first (`admission_finish_hold_steps`): each decodes one token in it and
+        reaches its length limit within that many tokens, whatever it samples.
+        Every step held brings them a token nearer that end, and nothing is
+        admitted meanwhile, so at most that many steps are held in a row."""
+        hold = self.config.admission_finish_hold_steps
+        if not hold or not scheduled or not len(self.policy):
+            return False
+        for request in self.running:
+            if (scheduled.get(request.request_id) != 1
+                    or request.length_limit - len(request.all_token_ids) > hold):
+                return False
+        return True
+
     def _mixed_prefill_limit(self) -> int | None:
         """The prompt tokens this step may compute beside decoding requests
         (`mixed_prefill_tokens`), or None where no bound applies: the bound is off,

@@ -98,6 +98,8 @@ class StatsCollector:
     num_recompute_tokens: int = 0
     #: Steps whose admission pass was skipped because the last failed pass stood.
     num_admission_memo_hits: int = 0
+    #: Steps that admitted nothing so that the requests running would finish first.
+    num_admission_finish_holds: int = 0
     num_shared_prompt_tokens: int = 0
 
     def saw_time(self, now_s: float) -> None:

@@ -15,7 +15,8 @@ from cadence.actors import ConfigError, cli
 from cadence.actors.bench import add_bench_parser
 from cadence.actors.engine import demo_model_dir
 from cadence.actors.engine_args import (SERVE_ADMISSION_DELAY_BUDGET, SERVE_BURST_SPLIT,
-                                         SERVE_MIXED_PREFILL_TOKENS, engine_config_from_args)
+                                         SERVE_FINISH_HOLD_STEPS, SERVE_MIXED_PREFILL_TOKENS,
+                                         engine_config_from_args)
 from cadence.actors.serve.server import add_serve_parser
 from cadence.actors.wire import DEFAULT_PORT
 from cadence.statemachine.config import SchedulerConfig
@@ -186,21 +187,26 @@ def test_a_cpu_server_splits_bursts_and_bounds_prompts_beside_decodes_and_others
     assert cpu.mixed_prefill_tokens == SERVE_MIXED_PREFILL_TOKENS > 0
     assert cpu.mixed_prefill_per_decode == SchedulerConfig().mixed_prefill_per_decode
     assert (cpu.admission_burst_split, cpu.admission_delay_budget) == (SERVE_BURST_SPLIT, 0)
+    assert cpu.admission_finish_hold_steps == SERVE_FINISH_HOLD_STEPS > 0
     # A GPU's prompt tokens beside decodes are cheap: it keeps the share.
     cuda = engine_config_from_args(serve.parse_args(["--device", "cuda"])).scheduler
-    assert (cuda.mixed_prefill_tokens, cuda.admission_burst_split) == (0, 0)
+    assert (cuda.mixed_prefill_tokens, cuda.admission_burst_split, cuda.admission_finish_hold_steps) == (0, 0, 0)
     assert cuda.admission_delay_budget == SERVE_ADMISSION_DELAY_BUDGET
     simulated = engine_config_from_args(serve.parse_args(["--model", "simulated"])).scheduler
     assert (simulated.mixed_prefill_tokens, simulated.admission_burst_split) == (0, 0)
     given = engine_config_from_args(serve.parse_args(
         ["--device", "cpu", "--mixed-prefill-tokens", "7", "--mixed-prefill-per-decode", "0.5",
-         "--burst-split", "0", "--admission-delay-budget", "99"])).scheduler
+         "--burst-split", "0", "--admission-delay-budget", "99", "--finish-hold", "0"])).scheduler
+    assert given.admission_finish_hold_steps == 0
     assert (given.mixed_prefill_tokens, given.mixed_prefill_per_decode) == (7, 0.5)
     assert (given.admission_burst_split, given.admission_delay_budget) == (0, 99)
     split = engine_config_from_args(serve.parse_args(["--device", "cuda", "--burst-split", "2"])).scheduler
     assert split.admission_burst_split == 2
     defaults = SchedulerConfig()  # the embedded engine and LLM
-    assert (defaults.mixed_prefill_tokens, defaults.admission_burst_split) == (0, 0)
+    assert (defaults.mixed_prefill_tokens, defaults.admission_burst_split,
+            defaults.admission_finish_hold_steps) == (0, 0, 0)
+    with pytest.raises(ConfigError, match="--finish-hold must be >= 0"):
+        engine_config_from_args(serve.parse_args(["--finish-hold", "-1"]))
     with pytest.raises(ConfigError, match="--burst-split must be >= 0"):
         engine_config_from_args(serve.parse_args(["--burst-split", "-1"]))
     with pytest.raises(ConfigError, match="--mixed-prefill-tokens must be >= 0"):
