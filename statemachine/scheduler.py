@@ -551,6 +551,7 @@ class Scheduler:
             num_running=len(self.running),
             num_waiting=len(self.policy),
             num_shared_prompt_tokens=c.num_shared_prompt_tokens,
+            num_admission_finish_holds=c.num_admission_finish_holds,
         )
 
     # ---- internals -------------------------------------------------------------

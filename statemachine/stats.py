@@ -50,6 +50,9 @@ class StatsSummary:
     # Prompt tokens a request of a group (`n` > 1) took from a sibling's computed
     # blocks instead of computing them.
     num_shared_prompt_tokens: int = 0
+    # Steps that admitted nothing so that the requests running would finish first
+    # (`admission_finish_hold_steps`).
+    num_admission_finish_holds: int = 0
 
     def as_dict(self) -> dict:
         return attrs.asdict(self)

@@ -46,6 +46,7 @@ METRIC_NAMES = (
     "cadence_kv_cache_usage_ratio",
     "cadence_num_connections",
     "cadence_preemptions_total",
+    "cadence_admission_finish_holds_total",
     "cadence_prefix_cache_query_tokens_total",
     "cadence_prefix_cache_hit_tokens_total",
     "cadence_prompt_tokens_total",
@@ -247,6 +248,9 @@ class _CoreCollector:
                                 value=blocks.usage)
         yield CounterMetricFamily("cadence_preemptions", "Running requests preempted (recomputed later).",
                                   value=core.collector.num_preemptions)
+        yield CounterMetricFamily("cadence_admission_finish_holds",
+                                  "Steps that admitted nothing so that the running requests finished first.",
+                                  value=core.collector.num_admission_finish_holds)
         # Read from the core, so that every finish counts, the requests cut short
         # by a disconnect too, and the figures are the ones Stats reports.
         finished = CounterMetricFamily("cadence_requests_finished",

@@ -27,6 +27,7 @@ def _admit_steps(hold: int, arrival: int = 2) -> tuple[dict[str, int], int]:
         for rid in admissions(events):
             admitted.setdefault(rid, t)
     assert not s.has_work()
+    assert s.stats().num_admission_finish_holds == s.collector.num_admission_finish_holds
     return admitted, s.collector.num_admission_finish_holds
 
 

@@ -123,6 +123,7 @@ async def test_counters_add_up_to_what_the_clients_saw():
     assert value(after, "cadence_scheduled_tokens_per_step_count") == stats.num_batches_scheduled
     assert value(after, "cadence_scheduled_tokens_per_step_sum") == stats.num_scheduled_tokens
     assert value(after, "cadence_preemptions_total") == stats.num_preemptions
+    assert value(after, "cadence_admission_finish_holds_total") == stats.num_admission_finish_holds
     assert value(after, "cadence_prefix_cache_query_tokens_total") == stats.num_prefix_query_tokens
     assert value(after, "cadence_prefix_cache_hit_tokens_total") == stats.num_prefix_hit_tokens
     assert value(after, "cadence_num_requests_running") == 0
