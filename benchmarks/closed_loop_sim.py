@@ -21,6 +21,9 @@ import heapq
 import json
 import random
 
+from cpu_peers import quantile
+from scheduler_overhead import parse_overrides
+
 from cadence.actors.engine_args import (SERVE_BURST_SPLIT, SERVE_FINISH_HOLD_STEPS,
                                         SERVE_MIXED_PREFILL_TOKENS)
 from cadence.statemachine.config import CacheConfig, SchedulerConfig
@@ -71,10 +74,6 @@ def simulate(clients: int, requests: int, prompt: int, output: int, lag_s: float
                     sent += 1
     ttfts = sorted(times[0] - sent_at[rid] for rid, times in token_times.items())
     gaps = sorted(b - a for times in token_times.values() for a, b in zip(times, times[1:]))
-
-    def quantile(values: list[float], q: float) -> float:
-        return values[min(len(values) - 1, int(q * len(values)))]
-
     return dict(requests_per_s=round(requests / now, 3), ttft_p50_ms=round(quantile(ttfts, 0.5) * 1e3, 1),
                 itl_p50_ms=round(quantile(gaps, 0.5) * 1e3, 1), itl_p99_ms=round(quantile(gaps, 0.99) * 1e3, 1),
                 steps=scheduler.step_id, finish_holds=scheduler.collector.num_admission_finish_holds)
@@ -92,16 +91,12 @@ def main() -> None:
     parser.add_argument("--jitter", type=float, default=0.0, help="lengths vary by up to this share either way")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                        help="a SchedulerConfig field (repeatable)")
+                        help="a SchedulerConfig field (repeatable; as scheduler_overhead.py's --set)")
     args = parser.parse_args()
-    defaults = SchedulerConfig()
-    overrides = {}
-    for item in args.set:
-        name, _, value = item.partition("=")
-        if not hasattr(defaults, name):
-            parser.error(f"--set: SchedulerConfig has no field {name!r}")
-        kind = type(getattr(defaults, name))
-        overrides[name] = (value.lower() in ("1", "true", "yes")) if kind is bool else kind(value)
+    try:
+        overrides = parse_overrides(args.set)
+    except ValueError as e:
+        parser.error(str(e))
     result = simulate(args.clients, args.requests, args.prompt, args.output, args.lag, args.step_s,
                       args.token_s, args.jitter, args.seed, **overrides)
     print(json.dumps(dict(clients=args.clients, requests=args.requests, jitter=args.jitter,

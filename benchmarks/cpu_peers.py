@@ -454,10 +454,10 @@ def serve_once(engine: str, python: str, directory: Path, dtype: str, threads: i
             records.append(dict(figure="load", concurrency=level, num_requests=count,
                                 requests_per_s=round(count / seconds, 3),
                                 output_tokens_per_s=round(count * OUTPUT_LEN / seconds, 1),
-                                ttft_p50_ms=round(_quantile(ttfts, 0.5) * 1e3, 1),
-                                ttft_p99_ms=round(_quantile(ttfts, 0.99) * 1e3, 1),
-                                itl_p50_ms=round(_quantile(itls, 0.5) * 1e3, 2),
-                                itl_p99_ms=round(_quantile(itls, 0.99) * 1e3, 2)))
+                                ttft_p50_ms=round(quantile(ttfts, 0.5) * 1e3, 1),
+                                ttft_p99_ms=round(quantile(ttfts, 0.99) * 1e3, 1),
+                                itl_p50_ms=round(quantile(itls, 0.5) * 1e3, 2),
+                                itl_p99_ms=round(quantile(itls, 0.99) * 1e3, 2)))
     finally:
         stop.set()
         watcher.join()
@@ -479,7 +479,8 @@ def _served_name(port: int) -> str:
     return json.loads(connection.getresponse().read())["data"][0]["id"]
 
 
-def _quantile(values: list[float], q: float) -> float:
+def quantile(values: list[float], q: float) -> float:
+    """The q-quantile of sorted `values` (the value at rank q * n), as every serving figure here takes it."""
     if not values:
         return float("nan")
     return values[min(len(values) - 1, int(q * len(values)))]
