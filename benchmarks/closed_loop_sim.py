@@ -61,11 +61,9 @@ def simulate(clients: int, requests: int, prompt: int, output: int, lag_s: float
         plan = scheduler.schedule(now)
         now += step_s + token_s * plan.total_num_scheduled_tokens
         sampled = {}
-        for rid in plan.num_scheduled_tokens:
-            request = scheduler.requests.get(rid)
-            if request is not None and request.num_computed_tokens == request.num_tokens:
-                sampled[rid] = [100]
-                token_times[rid].append(now)
+        for rid in scheduler.sampling_ids(plan):
+            sampled[rid] = [100]
+            token_times[rid].append(now)
         for event in scheduler.update(plan, StepResult(plan.step_id, sampled)):
             if event.finish_reason is not None:
                 done += 1

@@ -67,13 +67,11 @@ def run(mode: str, args: argparse.Namespace) -> dict:
         started = time.process_time()
         plan = s.schedule(float(num_steps))
         requests = s.requests
-        sampled = {}
         for rid, n in plan.num_scheduled_tokens.items():
             r = requests[rid]
             before = r.num_computed_tokens - n
             num_prompt_tokens += max(0, min(n, r.num_prompt_tokens - before))
-            if r.num_computed_tokens == r.num_tokens:
-                sampled[rid] = [TOKEN]
+        sampled = {rid: [TOKEN] for rid in s.sampling_ids(plan)}
         s.update(plan, StepResult(plan.step_id, sampled))
         cpu_s += time.process_time() - started
         num_steps += 1

@@ -206,14 +206,12 @@ def replay(records: list[dict], engine: dict, policy: str = "fcfs", prefix_cachi
             t1 = counter()
             requests = core.requests
             sampled = {}
-            for rid in plan.num_scheduled_tokens:
-                req = requests[rid]
-                if req.num_computed_tokens == req.num_tokens:
-                    k = produced.get(rid, 0)
-                    rec = by_id[rid]
-                    sampled[rid] = [EOS_TOKEN if generous and k + 1 == rec["output_len"]
-                                    else output_token(rec, k)]
-                    produced[rid] = k + 1
+            for rid in core.sampling_ids(plan):
+                k = produced.get(rid, 0)
+                rec = by_id[rid]
+                sampled[rid] = [EOS_TOKEN if generous and k + 1 == rec["output_len"]
+                                else output_token(rec, k)]
+                produced[rid] = k + 1
             result = StepResult(plan.step_id, sampled)
             fairness.saw(plan, requests)
             t2 = counter()
@@ -330,9 +328,7 @@ def waiting_scaling(num_waiting: int, policy: str = "priority", num_tenants: int
             next_id += 1
         t0 = time.thread_time()
         plan = core.schedule(float(step))
-        reqs = core.requests
-        sampled = {rid: [100 + produced % 7] for rid in plan.num_scheduled_tokens
-                   if reqs[rid].num_computed_tokens == reqs[rid].num_tokens}
+        sampled = {rid: [100 + produced % 7] for rid in core.sampling_ids(plan)}
         core.update(plan, StepResult(plan.step_id, sampled))
         times.append((time.thread_time() - t0) * 1e6)
         produced += 1

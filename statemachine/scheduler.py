@@ -271,6 +271,18 @@ class Scheduler:
         events, self._events = self._events, []
         return events
 
+    def sampling_ids(self, plan: StepPlan) -> list[str]:
+        """The requests that sample a token in `plan`, in its order: those whose
+        chunk reaches their last token (known, or in flight under async
+        scheduling). What an executor answers for; ask before `update(plan, ...)`."""
+        requests, step_id = self.requests, plan.step_id
+        out = []
+        for rid in plan.num_scheduled_tokens:
+            request = requests.get(rid)
+            if request is not None and step_id in request.pending_steps:
+                out.append(rid)
+        return out
+
     # ---- one step --------------------------------------------------------------
     def schedule(self, now_s: float | None = None) -> StepPlan:
         """Decide the next step. `now_s` is the caller's clock (default: the step number)."""

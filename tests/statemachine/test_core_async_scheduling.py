@@ -9,8 +9,11 @@ same requests must emit the same tokens.
 
 from __future__ import annotations
 
+import random
 import zlib
 from collections import deque
+
+import pytest
 
 from cadence.statemachine.fsm import FinishReason
 from cadence.statemachine.plan import StepResult
@@ -205,3 +208,35 @@ def test_the_prefix_cache_keys_only_tokens_the_core_knows():
     s.add_request(make_request("b", s.requests["a"].all_token_ids[:8] + [3], max_tokens=1))
     plan = s.schedule()
     assert {d.request_id: d.num_computed_tokens for d in plan.new_requests} == {"b": 8}
+
+
+class CheckedPipeline(Pipeline):
+    """A Pipeline that compares, plan by plan, the requests its own batch samples
+    for with what the core says samples (`Scheduler.sampling_ids`)."""
+
+    num_checked = 0
+
+    def _run(self, plan) -> StepResult:
+        said = self.s.sampling_ids(plan)
+        result = super()._run(plan)
+        assert said == list(result.sampled_token_ids), f"plan {plan.step_id}"
+        self.num_checked += len(said)
+        return result
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("depth, overlap, num_blocks", [(1, False, 64), (1, False, 6), (2, True, 64),
+                                                        (2, True, 6)])
+def test_the_core_names_the_requests_each_plan_samples_for(depth, overlap, num_blocks, seed):
+    """Sync and overlapped, with chunked prompts and preemptions: exactly those the
+    executor's batch samples for, in the plan's order."""
+    rng = random.Random(seed)
+    s = make_scheduler(async_scheduling=overlap, num_blocks=num_blocks, max_num_batched_tokens=12)
+    for i in range(6):
+        s.add_request(make_request(f"r{i}", rng.randint(2, 14), max_tokens=rng.randint(1, 9),
+                                   arrival_s=float(i)))
+    p = CheckedPipeline(s, depth)
+    p.run()
+    assert p.num_checked >= 6 and len(p.finished) == 6  # each request sampled at least once
+    if num_blocks == 6:
+        assert s.stats().num_preemptions > 0, "the trace was meant to preempt"
