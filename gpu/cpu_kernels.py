@@ -175,12 +175,30 @@ class SmallBatch:
         return (weight.dtype in self.dtypes and weight.shape[1] % per_run == 0
                 and (bias is None or bias.dtype == weight.dtype))
 
-    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+    def packed_shape(self, out_features: int, in_features: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+        """The shape `pack` lays a [out_features, in_features] weight of `dtype` out in."""
+        per_run = 2 if dtype == torch.bfloat16 else 1
+        return -(-out_features // self.columns), in_features // per_run, self.columns, per_run
+
+    def pack(self, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`weight` in this product's layout: a new tensor, or written into `out` (of
+        `packed_shape`, contiguous) and returned."""
         out_features, in_features = weight.shape
-        per_run = 2 if weight.dtype == torch.bfloat16 else 1
-        groups = -(-out_features // self.columns)
-        padded = torch.nn.functional.pad(weight, (0, 0, 0, groups * self.columns - out_features))
-        return padded.view(groups, self.columns, in_features // per_run, per_run).permute(0, 2, 1, 3).contiguous()
+        shape = self.packed_shape(out_features, in_features, weight.dtype)
+        groups, runs, columns, per_run = shape
+        if out is None:
+            out = torch.empty(shape, dtype=weight.dtype)
+        elif out.shape != shape or out.dtype != weight.dtype or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {shape} {weight.dtype} tensor")
+        # Written group by group from the weight itself (no padded copy of it is made).
+        full = out_features // columns
+        if full:
+            out[:full].copy_(weight[:full * columns].view(full, columns, runs, per_run).permute(0, 2, 1, 3))
+        if full < groups:  # the last group's outputs past out_features are zeros
+            rest = out_features - full * columns
+            out[full:].zero_()
+            out[full, :, :rest].copy_(weight[full * columns:].reshape(rest, runs, per_run).permute(1, 0, 2))
+        return out
 
 
 def small_batch() -> SmallBatch | None:

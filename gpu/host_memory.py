@@ -55,8 +55,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
+import mmap
 import os
 import sys
+from typing import Sequence
 
 import torch
 
@@ -122,3 +125,25 @@ def prefault(slabs: list[torch.Tensor], num_blocks: int) -> int:
             return done  # EINVAL before Linux 5.14: first use faults them, as without this
         done += length
     return done
+
+
+def zeroed_cpu_tensor(shape: Sequence[int], dtype: torch.dtype, huge_pages: bool = False) -> torch.Tensor:
+    """A zero CPU tensor in anonymous memory: the kernel hands out zero pages as they
+    are first touched, so a large cache costs nothing until used (torch.zeros writes every byte).
+
+    `huge_pages` asks the kernel (where transparent huge pages are on "madvise" or
+    "always") to back the memory 2 MiB at a time. The KV cache does not ask: where the
+    kernel compacts memory to find a huge page at the fault ("defrag" on "madvise", a
+    common default), the first touch is the cost. Measured on a 2-core VM: 0.2 GB/s
+    first-touch with huge pages against 3.4 GB/s with 4 KiB pages, so the 200 MB of
+    cache a 64-sequence batch of the 125M model fills cost ~1 s of its ~12 s run;
+    without them the run was 8-20% faster. What huge pages save (TLB misses of the
+    attention's reads, page faults of 4 KiB) was inside the noise on both machines
+    measured. The mapping is private: a shared anonymous mapping is shmem, which
+    `madvise` leaves at 4 KiB pages where shmem's own huge pages are off.
+    """
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    memory = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge_pages and hasattr(memory, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(memory, dtype=dtype).view(*shape)

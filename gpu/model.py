@@ -368,22 +368,29 @@ class CausalLM(nn.Module):
         gate/up into one product each (`cadence.gpu.cpu_linear`); CPU only, after the
         weights are loaded. The plain projections are released. `small_batch`, where
         given, also lays each weight out for products of a few rows (see
-        `cpu_linear.PackedLinear`)."""
+        `cpu_linear.PackedLinear`), all of them in one `cpu_linear.WeightArena`."""
         from . import cpu_linear
 
+        head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
+        # The small-batch layouts in one arena, in the order a decode step reads them.
+        products = []
+        for layer in self.model.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            products += [(attention.q_proj, attention.k_proj, attention.v_proj), (attention.o_proj,),
+                         (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)]
+        arena = cpu_linear.arena_for(small_batch, [*products, (head,)])
         for layer in self.model.layers:
             attention, mlp = layer.self_attn, layer.mlp
             attention.qkv_proj = cpu_linear.merged(attention.q_proj, attention.k_proj, attention.v_proj,
-                                                   small_batch=small_batch)
+                                                   small_batch=small_batch, arena=arena)
             attention.q_proj = attention.k_proj = attention.v_proj = None
-            attention.o_proj = cpu_linear.packed(attention.o_proj, small_batch=small_batch)
-            mlp.gate_up_proj = cpu_linear.merged(mlp.gate_proj, mlp.up_proj, small_batch=small_batch)
+            attention.o_proj = cpu_linear.packed(attention.o_proj, small_batch=small_batch, arena=arena)
+            mlp.gate_up_proj = cpu_linear.merged(mlp.gate_proj, mlp.up_proj, small_batch=small_batch, arena=arena)
             mlp.gate_proj = mlp.up_proj = None
-            mlp.down_proj = cpu_linear.packed(mlp.down_proj, small_batch=small_batch)
+            mlp.down_proj = cpu_linear.packed(mlp.down_proj, small_batch=small_batch, arena=arena)
             mlp.chunk_rows = cpu_linear.rows_in_cache(2 * self.config.intermediate_size,
                                                      mlp.down_proj.dtype)
-        head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
-        self.packed_head = cpu_linear.PackedLinear(head.weight, None, small_batch=small_batch)
+        self.packed_head = cpu_linear.PackedLinear(head.weight, None, small_batch=small_batch, arena=arena)
         self.lm_head = None
 
 

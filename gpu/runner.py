@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import math
-import mmap
 import os
 import time
 from array import array
@@ -41,6 +39,7 @@ from .worklist import BalanceConfig
 from .loader import load_weights
 from .model import LastRows, build_model, init_random_weights
 from .sampler import Sampler, restricted
+from .host_memory import zeroed_cpu_tensor
 from .threads import AUTO, SMALL_MODEL_MACS, macs_per_token, pin_compute_threads, resolve_num_threads, set_num_threads
 
 _log = logging.getLogger("cadence.gpu")
@@ -191,28 +190,6 @@ def int64_tensor(values) -> torch.Tensor:
     if not packed:
         return torch.empty(0, dtype=torch.int64)
     return torch.frombuffer(packed, dtype=torch.int64)
-
-
-def zeroed_cpu_tensor(shape: Sequence[int], dtype: torch.dtype, huge_pages: bool = False) -> torch.Tensor:
-    """A zero CPU tensor in anonymous memory: the kernel hands out zero pages as they
-    are first touched, so a large cache costs nothing until used (torch.zeros writes every byte).
-
-    `huge_pages` asks the kernel (where transparent huge pages are on "madvise" or
-    "always") to back the memory 2 MiB at a time. The KV cache does not ask: where the
-    kernel compacts memory to find a huge page at the fault ("defrag" on "madvise", a
-    common default), the first touch is the cost. Measured on a 2-core VM: 0.2 GB/s
-    first-touch with huge pages against 3.4 GB/s with 4 KiB pages, so the 200 MB of
-    cache a 64-sequence batch of the 125M model fills cost ~1 s of its ~12 s run;
-    without them the run was 8-20% faster. What huge pages save (TLB misses of the
-    attention's reads, page faults of 4 KiB) was inside the noise on both machines
-    measured. The mapping is private: a shared anonymous mapping is shmem, which
-    `madvise` leaves at 4 KiB pages where shmem's own huge pages are off.
-    """
-    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    memory = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if huge_pages and hasattr(memory, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
-        memory.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(memory, dtype=dtype).view(*shape)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -604,27 +581,32 @@ class ModelRunner:
         num_seqs = len(states)
         num_decodes = q_lens.count(1)
         starts_t = int64_tensor(starts)
-        seq_ids = torch.arange(num_seqs)
+        rows = int64_tensor([state.row for state in states])
         if num_decodes == num_seqs:
-            input_ids = int64_tensor([s.token_ids[c] for s, c in zip(states, starts)])
-            positions = starts_t
-            seq_of_token = seq_ids
-            query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32)
-            seq_lens = (starts_t + 1).to(torch.int32)
-        else:
-            input_ids = int64_tensor(
-                chain.from_iterable(s.token_ids[c : c + n] for s, c, n in zip(states, starts, q_lens))
-            )
-            q_lens_t = int64_tensor(q_lens)
-            offsets = torch.zeros(num_seqs + 1, dtype=torch.int64)
-            torch.cumsum(q_lens_t, dim=0, out=offsets[1:])
-            seq_of_token = torch.repeat_interleave(seq_ids, q_lens_t)
-            positions = torch.arange(input_ids.shape[0]) - offsets[seq_of_token] + starts_t[seq_of_token]
-            query_start_loc = offsets.to(torch.int32)
-            seq_lens = (starts_t + q_lens_t).to(torch.int32)
+            # One token each: its slot read from the request's own block list (the host
+            # block table holds the same ids), in Python, cheaper than torch's indexing
+            # ops at a handful of rows (~140 -> ~50 us a batch-1 step here).
+            size = self.block_size
+            width = -(-(max(starts) + 1) // size)
+            return HostBatch(
+                int64_tensor([s.token_ids[c] for s, c in zip(states, starts)]), starts_t,
+                int64_tensor([s.block_ids[c // size] * size + c % size for s, c in zip(states, starts)]),
+                torch.arange(num_seqs + 1, dtype=torch.int32),
+                torch.frombuffer(array("i", [c + 1 for c in starts]), dtype=torch.int32),
+                self._block_table[:, :width].index_select(0, rows), 1, max(starts) + 1, num_decodes)
+        seq_ids = torch.arange(num_seqs)
+        input_ids = int64_tensor(
+            chain.from_iterable(s.token_ids[c : c + n] for s, c, n in zip(states, starts, q_lens))
+        )
+        q_lens_t = int64_tensor(q_lens)
+        offsets = torch.zeros(num_seqs + 1, dtype=torch.int64)
+        torch.cumsum(q_lens_t, dim=0, out=offsets[1:])
+        seq_of_token = torch.repeat_interleave(seq_ids, q_lens_t)
+        positions = torch.arange(input_ids.shape[0]) - offsets[seq_of_token] + starts_t[seq_of_token]
+        query_start_loc = offsets.to(torch.int32)
+        seq_lens = (starts_t + q_lens_t).to(torch.int32)
         max_seq_len = max(c + n for c, n in zip(starts, q_lens))
         width = -(-max_seq_len // self.block_size)
-        rows = int64_tensor([state.row for state in states])
         block_tables = self._block_table[:, :width].index_select(0, rows)
         slot_mapping = (
             block_tables[seq_of_token, positions // self.block_size].long() * self.block_size
@@ -651,7 +633,8 @@ class ModelRunner:
     def _send(self, batch: HostBatch, sample_seqs: list[int]) -> tuple[StepInputs, LastRows]:
         """The batch on the device in one copy, and the token rows of the sampled sequences."""
         seqs = int64_tensor(sample_seqs)
-        sample_rows = batch.query_start_loc.long()[1:][seqs] - 1
+        # A sequence's last token row; a step of single tokens has one row per sequence.
+        sample_rows = seqs if batch.max_query_len == 1 else batch.query_start_loc.long()[1:][seqs] - 1
         host = [batch.input_ids, batch.positions, batch.slot_mapping, batch.query_start_loc,
                 batch.seq_lens, batch.block_tables, sample_rows, seqs]
         device = host if self._staging is None else self._staging.send(host)

@@ -14,6 +14,7 @@ from cadence.gpu import cpu_kernels, cpu_linear, preset
 from cadence.gpu.attention import AttentionMetadata, cpu_paged_attention, reference_paged_attention
 from cadence.gpu.model import build_model, init_random_weights
 from cadence.gpu.attention import get_attention_backend
+from memory_maps import mapping_of
 
 
 @pytest.fixture(scope="module")
@@ -483,6 +484,50 @@ def test_the_decode_stack_gives_the_layers_results_bit_for_bit(kernel, dtype, nu
         want = model(input_ids, positions, copies, meta)
     assert torch.equal(got, want)
     assert all(torch.equal(a, b) for pair, copy in zip(caches, copies) for a, b in zip(pair, copy))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_features, in_features", [(1, 4), (31, 8), (32, 6), (33, 10), (100, 64)])
+def test_the_small_batch_layout_written_into_given_memory_is_the_padded_one(dtype, out_features, in_features):
+    small = cpu_kernels.small_batch()
+    if small is None or dtype not in small.dtypes:
+        pytest.skip(f"this CPU's kernels have no small-batch product in {dtype} (it needs AVX-512)")
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(out_features)).to(dtype)
+    per_run, groups = (2 if dtype == torch.bfloat16 else 1), -(-out_features // small.columns)
+    # The layout by definition: outputs padded with zeros to whole groups, each input's
+    # (pair of inputs') run of a group's outputs side by side.
+    want = (F.pad(weight, (0, 0, 0, groups * small.columns - out_features))
+            .view(groups, small.columns, in_features // per_run, per_run).permute(0, 2, 1, 3))
+    given = torch.full(small.packed_shape(out_features, in_features, dtype), 7.0, dtype=dtype)  # stale bytes
+    written = small.pack(weight, given)
+    assert written.data_ptr() == given.data_ptr()
+    assert torch.equal(written, want) and torch.equal(small.pack(weight), want)
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        small.pack(weight, torch.empty(small.packed_shape(out_features + small.columns, in_features, dtype),
+                                       dtype=dtype))
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's /proc/self/smaps")
+def test_packed_weights_lie_in_one_huge_page_arena_in_the_order_a_decode_step_reads_them(kernel):
+    small = cpu_kernels.small_batch()
+    if small is None:
+        pytest.skip("this CPU's kernels have no small-batch product (it needs AVX-512)")
+    model = build_model(preset("tiny"), get_attention_backend("cpu"), torch.float32, "cpu")
+    init_random_weights(model, seed=5)
+    model.pack(small_batch=small)
+    products = [p for layer in model.model.layers
+                for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                          layer.mlp.down_proj)] + [model.packed_head]
+    starts = [p.small_weight.data_ptr() for p in products]
+    ends = [p.small_weight.data_ptr() + p.small_weight.numel() * p.small_weight.element_size() for p in products]
+    # Front to back in reading order, each on a page of its own, no overlap.
+    assert all(end <= start for end, start in zip(ends, starts[1:]))
+    assert all(start % cpu_linear.ARENA_ALIGN == 0 for start in starts)
+    assert starts[0] % cpu_linear.HUGE_PAGE_BYTES == 0
+    mappings = [mapping_of(start) for start in starts]
+    assert len({span for _, _, span in mappings}) == 1  # one mapping
+    perms, flags, _ = mappings[0]
+    assert perms.endswith("p") and "hg" in flags and "sh" not in flags
 
 
 def test_the_decode_stack_stays_off_where_it_does_not_apply(kernel):

@@ -15,6 +15,7 @@ from cadence.gpu.runner import cpu_has_bfloat16_units, default_dtype
 from cadence.statemachine.errors import ConfigError, ExecutorError
 from cadence.statemachine.plan import NewRequestData, StepPlan
 from cadence.statemachine.sampling import SamplingParams
+from memory_maps import mapping_of
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 NUM_BLOCKS, BLOCK_SIZE = 32, 4
@@ -75,6 +76,35 @@ def test_decodes_come_first_in_the_attention_metadata(runner):
     last = seen[-1]
     assert last.num_decode_seqs == 2 and last.max_query_len == 1
     assert last.query_start_loc.tolist() == [0, 1, 2] and last.seq_lens.tolist() == [3, 5]
+
+
+def test_a_step_of_single_tokens_is_laid_out_as_the_general_path_lays_it_out(runner):
+    """A step where every sequence brings one token takes a shortcut (slots read from the
+    requests' block lists in Python): its inputs are those of the flattening any step
+    takes, read from the host block table."""
+    runner.execute(plan(0, {"a": 6, "b": 2, "c": 5},
+                        [new("a", range(3, 9), [7, 2]), new("b", [5, 6], [9]), new("c", range(20, 25), [4, 11])]),
+                   {"a": GREEDY, "b": GREEDY, "c": GREEDY})
+    scheduled = [(runner._requests[r], 1) for r in ("c", "a", "b")]
+    fast = runner._host_batch(scheduled)
+    starts = [state.num_computed_tokens for state, _ in scheduled]
+    assert starts == [5, 6, 2]
+    # The general flattening, by its definitions.
+    rows = torch.tensor([state.row for state, _ in scheduled])
+    width = -(-(max(starts) + 1) // BLOCK_SIZE)
+    tables = runner._block_table[:, :width].index_select(0, rows)
+    positions = torch.tensor(starts)
+    slots = tables[torch.arange(3), positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
+    assert slots.tolist() == [11 * 4 + 1, 2 * 4 + 2, 9 * 4 + 2]  # c's 6th, a's 7th, b's 3rd position
+    assert fast.input_ids.tolist() == [state.token_ids[c] for (state, _), c in zip(scheduled, starts)]
+    for got, want in ((fast.positions, positions), (fast.slot_mapping, slots),
+                      (fast.query_start_loc, torch.arange(4, dtype=torch.int32)),
+                      (fast.seq_lens, (positions + 1).to(torch.int32)), (fast.block_tables, tables)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert (fast.max_query_len, fast.max_seq_len, fast.num_decode_seqs) == (1, 7, 3)
+    # And the step runs on it: each request samples its next token.
+    result = runner.execute(plan(1, {"c": 1, "a": 1, "b": 1}), {})
+    assert sorted(result.sampled_token_ids) == ["a", "b", "c"]
 
 
 def test_random_weights_are_seeded():
@@ -273,21 +303,6 @@ def test_cpu_cache_starts_zeroed_and_each_layer_writes_its_own_memory():
     assert not fresh.kv_caches[0][1].any() and not fresh.kv_caches[1][0].any()
 
 
-def _mapping_of(address: int) -> tuple[str, set[str]]:
-    """The permissions and VmFlags of this process's mapping holding `address`."""
-    perms, inside = None, False
-    for line in open("/proc/self/smaps"):
-        head = line.split()
-        if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
-            low, high = (int(part, 16) for part in head[0].split("-"))
-            inside = low <= address < high
-            if inside:
-                perms = head[1]
-        elif inside and head[0] == "VmFlags:":
-            return perms, set(head[1:])
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc/self/smaps")
 def test_cpu_cache_memory_is_private_and_asks_for_huge_pages_only_when_told():
     from cadence.gpu.runner import zeroed_cpu_tensor
@@ -298,12 +313,12 @@ def test_cpu_cache_memory_is_private_and_asks_for_huge_pages_only_when_told():
     plain = zeroed_cpu_tensor((4, 1 << 20), torch.float32)
     for tensor, advised in ((huge, True), (plain, False)):
         tensor[1, 7] = 3.0
-        perms, flags = _mapping_of(tensor.data_ptr())
+        perms, flags, _ = mapping_of(tensor.data_ptr())
         assert perms.endswith("p") and "sh" not in flags
         assert ("hg" in flags) == advised
         assert tensor.sum().item() == 3.0
     runner = ModelRunner(preset("tiny"), num_blocks=4, block_size=BLOCK_SIZE, device="cpu")
-    perms, flags = _mapping_of(runner.kv_caches[0][0].data_ptr())
+    perms, flags, _ = mapping_of(runner.kv_caches[0][0].data_ptr())
     assert perms.endswith("p") and "hg" not in flags
 
 
