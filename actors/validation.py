@@ -207,9 +207,11 @@ def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int,
     total = num_prompt_tokens + max_tokens
     counts = f"prompt has {plural(num_prompt_tokens, 'token')} and max_tokens is {max_tokens}, {total} in all"
     if total > max_model_len:
-        raise RequestTooLongError(f"{counts}; max_model_len is {max_model_len}")
+        raise RequestTooLongError.naming(num_prompt_tokens, max_model_len,
+                                         f"{counts}; max_model_len is {max_model_len}")
     if cache_tokens is not None and total > cache_tokens:
-        raise RequestTooLongError(f"{counts}; the KV cache holds {cache_tokens} tokens")
+        raise RequestTooLongError.naming(num_prompt_tokens, cache_tokens,
+                                         f"{counts}; the KV cache holds {cache_tokens} tokens")
 
 
 def check_token_ids(field: str, token_ids: Sequence[int], vocab_size: int) -> None:
@@ -252,6 +254,7 @@ def check_prompt_num_bytes(num_bytes: int, max_tokens: int, limits: RequestLimit
     room = limits.max_model_len - max_tokens
     least = -(-num_bytes // per_token)
     if least > room:
-        raise RequestTooLongError(
+        raise RequestTooLongError.naming(
+            least, limits.max_model_len,
             f"prompt has {num_bytes} bytes, so at least {least} tokens (at most {per_token} bytes "
             f"per token), and max_tokens is {max_tokens}; max_model_len is {limits.max_model_len}")

@@ -21,7 +21,19 @@ class InvalidRequestError(CadenceError, ValueError):
 
 
 class RequestTooLongError(InvalidRequestError):
-    """The prompt plus `max_tokens` cannot fit in `max_model_len` or in the KV cache."""
+    """The prompt plus `max_tokens` cannot fit in `max_model_len` or in the KV cache.
+    `field` is the request field to change: "max_tokens" where the prompt alone fits
+    (`naming`), "prompt" otherwise."""
+
+    field = "prompt"
+
+    @classmethod
+    def naming(cls, num_prompt_tokens: int, limit: int, message: str) -> "RequestTooLongError":
+        """The error for a prompt of `num_prompt_tokens` (at least) against a bound of
+        `limit` tokens: a prompt below the bound leaves room for some output."""
+        error = cls(message)
+        error.field = "prompt" if num_prompt_tokens >= limit else "max_tokens"
+        return error
 
 
 class StructuredOutputError(InvalidRequestError):

@@ -210,13 +210,15 @@ class Scheduler:
         config = self.config
         total = request.num_prompt_tokens + request.limits.max_tokens
         if total > config.max_model_len:
-            raise RequestTooLongError(
+            raise RequestTooLongError.naming(
+                request.num_prompt_tokens, config.max_model_len,
                 f"request {rid!r}: prompt has {request.num_prompt_tokens} tokens and max_tokens is "
                 f"{request.limits.max_tokens}, {total} in all; max_model_len is {config.max_model_len}"
             )
         num_needed = self.blocks.blocks_for(total)
         if num_needed > self.cache_config.num_blocks:
-            raise RequestTooLongError(
+            raise RequestTooLongError.naming(
+                request.num_prompt_tokens, self.cache_config.num_blocks * self.cache_config.block_size,
                 f"request {rid!r}: {total} tokens need {num_needed} KV blocks of "
                 f"{self.cache_config.block_size}; the cache has num_blocks={self.cache_config.num_blocks}"
             )

@@ -987,7 +987,9 @@ def _api_error(exc: CadenceError, draining: bool, request: ApiRequest | None = N
     if isinstance(exc, StructuredOutputError) and request is not None and request.structured_field:
         name = request.structured_field
         return ApiError(status_of(code), http_structured_message(str(exc), name), code=code.value, param=name)
-    param = "prompt" if code is ErrorCode.REQUEST_TOO_LONG else getattr(exc, "field", None)
+    param = getattr(exc, "field", None)
+    if code is ErrorCode.REQUEST_TOO_LONG and param == "prompt" and request is not None and request.chat:
+        param = "messages"  # a chat request's prompt
     return ApiError(status_of(code), str(exc), code=code.value, param=param)
 
 

@@ -124,6 +124,23 @@ def test_bad_tokenizer_requests_name_the_field(web, path, body, param):
     assert response.status_code in (400, 404) and response.json()["error"]["param"] == param
 
 
+@pytest.mark.parametrize("path, body, param", [
+    # The prompt fits: max_tokens is the field to lower (as large as a client may send).
+    ("/v1/completions", {"prompt": "hello", "max_tokens": 10 ** 9}, "max_tokens"),
+    ("/v1/completions", {"prompt": [5] * 200, "max_tokens": 100}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 300}, "max_tokens"),
+    # The prompt alone does not fit (max_model_len 256): the prompt, or a chat's messages.
+    ("/v1/completions", {"prompt": [5] * 256, "max_tokens": 1}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 300}], "max_tokens": 1},
+     "messages"),
+])
+def test_a_request_too_long_names_the_field_to_change(web, path, body, param):
+    response = web.post(path, json=body, headers=AUTH)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == "request_too_long", error
+    assert error["param"] == param and "max_model_len is 256" in error["message"]
+
+
 def test_the_tokenizer_routes_need_the_key(web):
     assert web.post("/tokenize", json={"prompt": "x"}).status_code == 401
     assert web.get("/tokenize", headers=AUTH).status_code == 405
