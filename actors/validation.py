@@ -256,5 +256,5 @@ def check_prompt_num_bytes(num_bytes: int, max_tokens: int, limits: RequestLimit
     if least > room:
         raise RequestTooLongError.naming(
             least, limits.max_model_len,
-            f"prompt has {num_bytes} bytes, so at least {least} tokens (at most {per_token} bytes "
+            f"prompt has {num_bytes} bytes, so at least {plural(least, 'token')} (at most {per_token} bytes "
             f"per token), and max_tokens is {max_tokens}; max_model_len is {limits.max_model_len}")
