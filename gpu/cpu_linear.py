@@ -97,6 +97,14 @@ class WeightArena:
     the same peak RSS.
     """
 
+    @classmethod
+    def for_weights(cls, weights: Sequence[torch.Tensor], columns: int) -> "WeightArena":
+        """An arena that holds the small-batch layouts of any products made of `weights`
+        ([out, in] each, merged or not): each weight's bytes, a group of `columns`
+        padding rows and a page. Bytes never handed out are never touched, so they
+        cost address space only."""
+        return cls(sum((w.shape[0] + columns) * w.shape[1] * w.element_size() + ARENA_ALIGN for w in weights))
+
     def __init__(self, num_bytes: int) -> None:
         self._memory = zeroed_cpu_tensor((num_bytes + HUGE_PAGE_BYTES,), torch.uint8, huge_pages=True)
         skip = (-self._memory.data_ptr()) % HUGE_PAGE_BYTES
@@ -118,20 +126,6 @@ class WeightArena:
         view = self._free[self._used:self._used + math.prod(shape) * dtype.itemsize]
         self._used += span
         return view.view(dtype).view(*shape)
-
-
-def arena_for(small_batch, products: Sequence[Sequence[nn.Module]]) -> WeightArena | None:
-    """An arena sized for `products` (each the modules, with `weight` [out, in] and an
-    optional `bias`, whose outputs one packed product computes side by side), or None
-    where none of them takes the small-batch layout."""
-    num_bytes = 0
-    for modules in products:
-        first = modules[0]
-        if small_batch is not None and small_batch.fits(first.weight, getattr(first, "bias", None)):
-            out_features = sum(module.weight.shape[0] for module in modules)
-            shape = small_batch.packed_shape(out_features, first.weight.shape[1], first.weight.dtype)
-            num_bytes += WeightArena.span(shape, first.weight.dtype)
-    return WeightArena(num_bytes) if num_bytes else None
 
 
 class PackedLinear(nn.Module):

@@ -372,13 +372,11 @@ class CausalLM(nn.Module):
         from . import cpu_linear
 
         head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
-        # The small-batch layouts in one arena, in the order a decode step reads them.
-        products = []
-        for layer in self.model.layers:
-            attention, mlp = layer.self_attn, layer.mlp
-            products += [(attention.q_proj, attention.k_proj, attention.v_proj), (attention.o_proj,),
-                         (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)]
-        arena = cpu_linear.arena_for(small_batch, [*products, (head,)])
+        # The small-batch layouts in one arena, made below in the order a decode step reads them.
+        arena = None
+        if small_batch is not None:
+            arena = cpu_linear.WeightArena.for_weights([p for p in self.parameters() if p.dim() == 2],
+                                                       small_batch.columns)
         for layer in self.model.layers:
             attention, mlp = layer.self_attn, layer.mlp
             attention.qkv_proj = cpu_linear.merged(attention.q_proj, attention.k_proj, attention.v_proj,
