@@ -586,14 +586,13 @@ class ModelRunner:
             # One token each: its slot read from the request's own block list (the host
             # block table holds the same ids), in Python, cheaper than torch's indexing
             # ops at a handful of rows (~140 -> ~50 us a batch-1 step here).
-            size = self.block_size
-            width = -(-(max(starts) + 1) // size)
+            size, longest = self.block_size, max(starts) + 1
             return HostBatch(
                 int64_tensor([s.token_ids[c] for s, c in zip(states, starts)]), starts_t,
                 int64_tensor([s.block_ids[c // size] * size + c % size for s, c in zip(states, starts)]),
                 torch.arange(num_seqs + 1, dtype=torch.int32),
                 torch.frombuffer(array("i", [c + 1 for c in starts]), dtype=torch.int32),
-                self._block_table[:, :width].index_select(0, rows), 1, max(starts) + 1, num_decodes)
+                self._block_table[:, :-(-longest // size)].index_select(0, rows), 1, longest, num_decodes)
         seq_ids = torch.arange(num_seqs)
         input_ids = int64_tensor(
             chain.from_iterable(s.token_ids[c : c + n] for s, c, n in zip(states, starts, q_lens))
