@@ -17,7 +17,11 @@ object with the load average beside it. Modes:
              `api_server`), one streaming client for both at concurrency
              `--concurrency` (1, 8, 32): request throughput, TTFT and ITL as the
              client receives the chunks; launch-to-ready, launch-to-first-token
-             and the server's peak RSS.
+             and the server's peak RSS. Requests are of 128 prompt and 128
+             output tokens, or `--prompt-len` / `--output-len`, each drawn
+             within +-`--spread` of them (0 by default): with equal lengths a
+             closed loop of clients can fall into rounds that come back
+             together, which varied lengths do not.
   limit      the physical limit: memory bandwidth measured by reading a buffer
              far larger than the caches, and the weight bytes a batch-1 decode
              step reads, divided by the ms per token Cadence measured (the
@@ -34,12 +38,14 @@ its torchvision, torchaudio and torchcodec, which do not load against torch 2.13
     python benchmarks/cpu_peers.py offline --threads 1 2 --dtypes float32 bfloat16 --reps 3
     python benchmarks/cpu_peers.py offline --threads 1 --busy 2
     python benchmarks/cpu_peers.py serve --threads 2 --concurrency 1 8 32
+    python benchmarks/cpu_peers.py serve --threads 1 --concurrency 32 --spread 0.3
     python benchmarks/cpu_peers.py limit
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -126,12 +132,38 @@ def vllm_python(work_dir: Path, given: str | None) -> str:
     return str(python)
 
 
-def prompts(count: int, seed: int = 0, vocab_size: int = MODEL_SHAPE["vocab_size"]) -> list[list[int]]:
-    """`count` prompts of PROMPT_LEN token ids below `vocab_size` (past the special
+def prompts(count: int, seed: int = 0, vocab_size: int = MODEL_SHAPE["vocab_size"],
+            length: int = PROMPT_LEN) -> list[list[int]]:
+    """`count` prompts of `length` token ids below `vocab_size` (past the special
     ids), the same for every engine."""
     rng = random.Random(seed)
     low = min(3, vocab_size - 1)
-    return [[rng.randrange(low, vocab_size) for _ in range(PROMPT_LEN)] for _ in range(count)]
+    return [[rng.randrange(low, vocab_size) for _ in range(length)] for _ in range(count)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Lengths:
+    """The serving benchmark's request lengths: `prompt` and `output` tokens, each drawn
+    uniformly from +-`spread` of it (0: every request the same, as the issue's figures)."""
+
+    prompt: int = PROMPT_LEN
+    output: int = OUTPUT_LEN
+    spread: float = 0.0
+
+    def _drawn(self, rng: random.Random, mean: int) -> int:
+        width = int(mean * self.spread)
+        return max(1, mean + rng.randint(-width, width)) if width else mean
+
+    def requests(self, count: int, seed: int, vocab_size: int) -> list[tuple[list[int], int]]:
+        """`count` (prompt, max_tokens) pairs, the same for every engine."""
+        rng = random.Random(seed * 7919 + 1)
+        shapes = [(self._drawn(rng, self.prompt), self._drawn(rng, self.output)) for _ in range(count)]
+        texts = prompts(count, seed, vocab_size, max(p for p, _ in shapes))
+        return [(text[:p], out) for text, (p, out) in zip(texts, shapes)]
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.prompt * (1 + self.spread)) + int(self.output * (1 + self.spread)) + 16
 
 
 def peak_rss_mib() -> float:
@@ -297,7 +329,7 @@ class _busy:
 
 
 def _server_command(engine: str, python: str, directory: Path, dtype: str, threads: int, port: int,
-                    extra: list[str]) -> tuple[list[str], dict]:
+                    extra: list[str], lengths: Lengths = Lengths()) -> tuple[list[str], dict]:
     """The command line and environment of one engine's OpenAI server."""
     env = dict(os.environ)
     if engine == "cadence":
@@ -307,13 +339,13 @@ def _server_command(engine: str, python: str, directory: Path, dtype: str, threa
         blocks = [] if given else ["--num-blocks", str(kv_blocks(directory, dtype))]
         argv = [python, "-m", "cadence.actors.cli", "serve", "--model", str(directory), "--dtype", dtype,
                 "--threads", str(threads), "--http-port", str(port), "--port", "0",
-                "--max-model-len", str(PROMPT_LEN + OUTPUT_LEN + 16), *blocks, *extra]
+                "--max-model-len", str(lengths.max_model_len), *blocks, *extra]
     else:
         env["VLLM_CPU_KVCACHE_SPACE"] = VLLM_CACHE_GIB
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if threads == 1 else f"0-{threads - 1}"
         argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(directory),
                 "--dtype", dtype, "--port", str(port), "--host", "127.0.0.1",
-                "--max-model-len", str(PROMPT_LEN + OUTPUT_LEN + 16), "--served-model-name", "model", *extra]
+                "--max-model-len", str(lengths.max_model_len), "--served-model-name", "model", *extra]
     return argv, env
 
 
@@ -354,8 +386,8 @@ def _post_stream(port: int, body: dict, timeout_s: float = 600.0):
     connection.close()
 
 
-def _one_request(port: int, model: str, prompt: list[int]) -> dict:
-    body = dict(model=model, prompt=prompt, max_tokens=OUTPUT_LEN, temperature=0.0, stream=True,
+def _one_request(port: int, model: str, prompt: list[int], max_tokens: int = OUTPUT_LEN) -> dict:
+    body = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
                 ignore_eos=True, stream_options=dict(include_usage=True))
     start = time.perf_counter()
     arrivals, finish, generated = [], None, None
@@ -369,10 +401,11 @@ def _one_request(port: int, model: str, prompt: list[int]) -> dict:
     end = time.perf_counter()
     if not arrivals:
         raise RuntimeError("no text streamed")
-    if finish != "length" or generated != OUTPUT_LEN:  # both servers must do the same work
+    if finish != "length" or generated != max_tokens:  # both servers must do the same work
         raise RuntimeError(f"request ended with finish_reason {finish!r} after {generated} tokens, "
-                           f"not 'length' after {OUTPUT_LEN}")
-    return dict(ttft_s=arrivals[0] - start, itls=[b - a for a, b in zip(arrivals, arrivals[1:])], end=end)
+                           f"not 'length' after {max_tokens}")
+    return dict(ttft_s=arrivals[0] - start, itls=[b - a for a, b in zip(arrivals, arrivals[1:])], end=end,
+                tokens=generated)
 
 
 def _wait_ready(port: int, process: subprocess.Popen, timeout_s: float) -> float:
@@ -414,14 +447,15 @@ def _tree_rss_mib(pid: int) -> float:
 
 
 def serve_once(engine: str, python: str, directory: Path, dtype: str, threads: int,
-               concurrency: list[int], num_requests: int, extra: tuple[str, ...] = ()) -> list[dict]:
+               concurrency: list[int], num_requests: int, extra: tuple[str, ...] = (),
+               lengths: Lengths = Lengths()) -> list[dict]:
     """Start one engine's server, measure every concurrency, stop it; one record per figure."""
     import concurrent.futures
 
     vocab_size = json.loads((directory / "config.json").read_text())["vocab_size"]
 
     port = _free_port()
-    argv, env = _server_command(engine, python, directory, dtype, threads, port, list(extra))
+    argv, env = _server_command(engine, python, directory, dtype, threads, port, list(extra), lengths)
     launch = time.perf_counter()
     process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=True)
@@ -444,16 +478,16 @@ def serve_once(engine: str, python: str, directory: Path, dtype: str, threads: i
                             first_token_after_launch_s=round(ready - launch + first["ttft_s"], 2)))
         for level in concurrency:
             count = max(num_requests, level) if level > 1 else max(4, num_requests // 8)
-            batch = prompts(count, seed=level, vocab_size=vocab_size)
+            batch = lengths.requests(count, seed=level, vocab_size=vocab_size)
             start = time.perf_counter()
             with concurrent.futures.ThreadPoolExecutor(level) as pool:
-                results = list(pool.map(lambda p: _one_request(port, model, p), batch))
+                results = list(pool.map(lambda r: _one_request(port, model, *r), batch))
             seconds = time.perf_counter() - start
             ttfts = sorted(r["ttft_s"] for r in results)
             itls = sorted(i for r in results for i in r["itls"])
             records.append(dict(figure="load", concurrency=level, num_requests=count,
                                 requests_per_s=round(count / seconds, 3),
-                                output_tokens_per_s=round(count * OUTPUT_LEN / seconds, 1),
+                                output_tokens_per_s=round(sum(r["tokens"] for r in results) / seconds, 1),
                                 ttft_p50_ms=round(quantile(ttfts, 0.5) * 1e3, 1),
                                 ttft_p99_ms=round(quantile(ttfts, 0.99) * 1e3, 1),
                                 itl_p50_ms=round(quantile(itls, 0.5) * 1e3, 2),
@@ -497,6 +531,9 @@ def serve(args: argparse.Namespace) -> None:
     directory = args.model or build_model(args.work_dir)
     pythons = {"cadence": sys.executable, "vllm": vllm_python(args.work_dir, args.vllm_python)}
     engines = [e for e in args.engines if e in pythons]
+    lengths = Lengths(args.prompt_len, args.output_len, args.spread)
+    shape = {} if lengths == Lengths() else dict(prompt_len=lengths.prompt, output_len=lengths.output,
+                                                 spread=lengths.spread)
     with _busy(args.busy):
         for dtype in args.dtypes:
             for threads in args.threads:
@@ -508,14 +545,15 @@ def serve(args: argparse.Namespace) -> None:
                         if engine == "cadence":
                             extra = ["--async-scheduling"] * args.cadence_async + shlex.split(args.cadence_extra)
                         for record in serve_once(engine, pythons[engine], Path(directory), dtype, threads,
-                                                 args.concurrency, args.num_requests, extra):
+                                                 args.concurrency, args.num_requests, extra, lengths):
                             emit(mode="serve", engine=engine, dtype=dtype, threads=threads, rep=rep,
                                  busy=args.busy, model=Path(directory).name, cadence_async=args.cadence_async,
                                  cadence_extra=args.cadence_extra, kv_cache_gib=float(VLLM_CACHE_GIB),
-                                 **record)
+                                 **shape, **record)
                             key = (record["figure"], record.get("concurrency"))
                             figures.setdefault(key + (engine,), []).append(record)
-                _serve_summary(figures, dtype=dtype, threads=threads, busy=args.busy, model=Path(directory).name)
+                _serve_summary(figures, dtype=dtype, threads=threads, busy=args.busy, model=Path(directory).name,
+                               **shape)
 
 
 def _serve_summary(figures: dict, **where) -> None:
@@ -680,6 +718,10 @@ def main(argv: list[str] | None = None) -> None:
     srv.add_argument("--cadence-extra", default="", metavar="ARGS",
                         help="more options for Cadence's server, one string (e.g. '--max-num-batched-tokens 2048')")
     srv.add_argument("--engines", nargs="+", default=["cadence", "vllm"], choices=("cadence", "vllm"))
+    srv.add_argument("--prompt-len", type=int, default=PROMPT_LEN, help=f"prompt tokens (default {PROMPT_LEN})")
+    srv.add_argument("--output-len", type=int, default=OUTPUT_LEN, help=f"tokens generated (default {OUTPUT_LEN})")
+    srv.add_argument("--spread", type=float, default=0.0,
+                     help="each request's lengths drawn uniformly from +- this fraction of them (default 0)")
     sub.add_parser("limit", parents=[common])
     agr = sub.add_parser("agreement", parents=[common])
     agr.add_argument("--prompts", type=int, default=32)

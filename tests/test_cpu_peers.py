@@ -53,3 +53,24 @@ def test_cadence_serves_with_the_kv_cache_bytes_vllm_is_given(tmp_path):
     for given in (["--num-blocks", "77"], ["--num-blocks=77"]):
         argv, _ = cpu_peers._server_command("cadence", sys.executable, tmp_path, "float32", 2, 9000, given)
         assert [a for a in argv if a.startswith("--num-blocks")] == given[:1] and argv[-len(given):] == given
+
+
+def test_serving_lengths_are_the_same_for_both_engines_and_fit_the_model_length():
+    """Equal lengths give the prompts the issue's figures were taken with; a spread draws
+    each request's lengths within it, the same list each time, and the servers' model
+    length holds the longest."""
+    sys.path.insert(0, BENCHMARKS)
+    import cpu_peers
+
+    equal = cpu_peers.Lengths().requests(4, seed=8, vocab_size=1000)
+    assert [p for p, _ in equal] == cpu_peers.prompts(4, seed=8, vocab_size=1000)
+    assert {m for _, m in equal} == {cpu_peers.OUTPUT_LEN}
+    lengths = cpu_peers.Lengths(prompt=100, output=50, spread=0.3)
+    drawn = lengths.requests(200, seed=3, vocab_size=1000)
+    assert drawn == lengths.requests(200, seed=3, vocab_size=1000)
+    prompt_lens, outputs = [len(p) for p, _ in drawn], [m for _, m in drawn]
+    assert 70 <= min(prompt_lens) < 85 and 115 < max(prompt_lens) <= 130
+    assert 35 <= min(outputs) < 42 and 58 < max(outputs) <= 65
+    assert max(len(p) + m for p, m in drawn) <= lengths.max_model_len
+    argv, _ = cpu_peers._server_command("vllm", sys.executable, cpu_peers.Path("m"), "float32", 1, 9000, [], lengths)
+    assert argv[argv.index("--max-model-len") + 1] == str(lengths.max_model_len)
