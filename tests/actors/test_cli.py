@@ -14,8 +14,8 @@ import pytest
 from cadence.actors import ConfigError, cli
 from cadence.actors.bench import add_bench_parser
 from cadence.actors.engine import demo_model_dir
-from cadence.actors.engine_args import (SERVE_ADMISSION_DELAY_BUDGET, SERVE_BURST_SPLIT,
-                                         SERVE_FINISH_HOLD_STEPS, SERVE_MIXED_PREFILL_TOKENS,
+from cadence.actors.engine_args import (PACED_BURST_SPLIT, PACED_FINISH_HOLD_STEPS, PACED_MIXED_PREFILL_TOKENS,
+                                         SERVE_ADMISSION_DELAY_BUDGET, SERVE_CPU_MAX_NUM_BATCHED_TOKENS,
                                          engine_config_from_args)
 from cadence.actors.serve.server import add_serve_parser
 from cadence.actors.wire import DEFAULT_PORT
@@ -181,25 +181,32 @@ def test_a_server_shares_its_admissions_and_an_offline_engine_does_not():
         engine_config_from_args(serve.parse_args(["--model", "simulated", "--admission-delay-budget", "-1"]))
 
 
-def test_a_cpu_server_splits_bursts_and_bounds_prompts_beside_decodes_and_others_do_not():
+def test_a_cpu_server_schedules_as_vllms_and_takes_the_pacing_rules_when_asked():
     serve = _subparser(add_serve_parser, "serve")
     cpu = engine_config_from_args(serve.parse_args(["--device", "cpu"])).scheduler
-    assert cpu.mixed_prefill_tokens == SERVE_MIXED_PREFILL_TOKENS > 0
+    assert cpu.max_num_batched_tokens == SERVE_CPU_MAX_NUM_BATCHED_TOKENS == 2048
+    assert (cpu.mixed_prefill_tokens, cpu.admission_burst_split, cpu.admission_finish_hold_steps,
+            cpu.admission_delay_budget) == (0, 0, 0, 0)
     assert cpu.mixed_prefill_per_decode == SchedulerConfig().mixed_prefill_per_decode
-    assert (cpu.admission_burst_split, cpu.admission_delay_budget) == (SERVE_BURST_SPLIT, 0)
-    assert cpu.admission_finish_hold_steps == SERVE_FINISH_HOLD_STEPS > 0
-    # A GPU's prompt tokens beside decodes are cheap: it keeps the share.
+    # A GPU's prompt tokens beside decodes are cheap: it keeps the share and the core's budget.
     cuda = engine_config_from_args(serve.parse_args(["--device", "cuda"])).scheduler
     assert (cuda.mixed_prefill_tokens, cuda.admission_burst_split, cuda.admission_finish_hold_steps) == (0, 0, 0)
     assert cuda.admission_delay_budget == SERVE_ADMISSION_DELAY_BUDGET
+    assert cuda.max_num_batched_tokens == SchedulerConfig().max_num_batched_tokens
     simulated = engine_config_from_args(serve.parse_args(["--model", "simulated"])).scheduler
     assert (simulated.mixed_prefill_tokens, simulated.admission_burst_split) == (0, 0)
+    assert simulated.max_num_batched_tokens == SchedulerConfig().max_num_batched_tokens
+    paced = engine_config_from_args(serve.parse_args(
+        ["--device", "cpu", "--mixed-prefill-tokens", str(PACED_MIXED_PREFILL_TOKENS),
+         "--burst-split", str(PACED_BURST_SPLIT), "--finish-hold", str(PACED_FINISH_HOLD_STEPS),
+         "--max-num-batched-tokens", "8192"])).scheduler
+    assert (paced.mixed_prefill_tokens, paced.admission_burst_split, paced.admission_finish_hold_steps,
+            paced.max_num_batched_tokens) == (24, 3, 2, 8192)
     given = engine_config_from_args(serve.parse_args(
         ["--device", "cpu", "--mixed-prefill-tokens", "7", "--mixed-prefill-per-decode", "0.5",
-         "--burst-split", "0", "--admission-delay-budget", "99", "--finish-hold", "0"])).scheduler
-    assert given.admission_finish_hold_steps == 0
+         "--admission-delay-budget", "99"])).scheduler
     assert (given.mixed_prefill_tokens, given.mixed_prefill_per_decode) == (7, 0.5)
-    assert (given.admission_burst_split, given.admission_delay_budget) == (0, 99)
+    assert given.admission_delay_budget == 99
     split = engine_config_from_args(serve.parse_args(["--device", "cuda", "--burst-split", "2"])).scheduler
     assert split.admission_burst_split == 2
     defaults = SchedulerConfig()  # the embedded engine and LLM
