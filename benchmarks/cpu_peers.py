@@ -473,7 +473,8 @@ def serve_once(engine: str, python: str, directory: Path, dtype: str, threads: i
     try:
         ready = _wait_ready(port, process, READY_TIMEOUT_S)
         model = "model" if engine == "vllm" else _served_name(port)
-        first = _one_request(port, model, prompts(1, seed=7, vocab_size=vocab_size)[0])
+        # One request of the run's own lengths, unvaried (the default: 128 and 128 tokens).
+        first = _one_request(port, model, *Lengths(lengths.prompt, lengths.output).requests(1, 7, vocab_size)[0])
         records.append(dict(figure="launch", ready_s=round(ready - launch, 2),
                             first_token_after_launch_s=round(ready - launch + first["ttft_s"], 2)))
         for level in concurrency:

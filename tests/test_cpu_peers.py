@@ -65,6 +65,8 @@ def test_serving_lengths_are_the_same_for_both_engines_and_fit_the_model_length(
     equal = cpu_peers.Lengths().requests(4, seed=8, vocab_size=1000)
     assert [p for p, _ in equal] == cpu_peers.prompts(4, seed=8, vocab_size=1000)
     assert {m for _, m in equal} == {cpu_peers.OUTPUT_LEN}
+    assert cpu_peers.Lengths().requests(1, 7, 1000)[0] == (cpu_peers.prompts(1, seed=7, vocab_size=1000)[0],
+                                                           cpu_peers.OUTPUT_LEN)
     lengths = cpu_peers.Lengths(prompt=100, output=50, spread=0.3)
     drawn = lengths.requests(200, seed=3, vocab_size=1000)
     assert drawn == lengths.requests(200, seed=3, vocab_size=1000)
