@@ -60,7 +60,7 @@ SERVE_CPU_MAX_NUM_BATCHED_TOKENS = 2048
 # - `--finish-hold` admits nothing while every running request is at most N tokens from
 #   its length limit (SchedulerConfig.admission_finish_hold_steps): with the two above and
 #   equal lengths, 32 clients otherwise came back in three groups whose prefills stalled
-#   each other every round (ITL p99 285-298 ms against 40-44 with it, float32, 2 threads).
+#   each other every round (ITL p99 285-298 ms without it, float32, 2 threads).
 # Together, with `--max-num-batched-tokens 8192`, they are the CPU server's defaults of
 # earlier releases; the figures above are the ratios they reach.
 PACED_MIXED_PREFILL_TOKENS = 24
