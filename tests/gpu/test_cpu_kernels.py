@@ -431,14 +431,17 @@ def test_small_batch_product_matches_the_reference(kernel, dtype, rows, out_feat
 
 def test_small_batch_row_bounds_follow_the_cpu(kernel):
     """Beside oneDNN's copy, products of up to 128 rows take the small-batch path, but
-    bfloat16 keeps the 8-row bound where the CPU has AMX (oneDNN's tiles)."""
+    bfloat16 takes at most 4 rows where the CPU has AMX (oneDNN's tiles), and only
+    there keeps oneDNN's copy."""
     small = cpu_kernels.small_batch()
     if small is None:
         pytest.skip("this CPU's kernels have no small-batch product (it needs AVX-512)")
     assert small.rows == 128 and small.rows_for(torch.float32) == 128
     if torch.bfloat16 in small.dtypes:
-        amx = "amx_bf16" in cpu_kernels._cpu_flags().split()
-        assert small.rows_for(torch.bfloat16) == (8 if amx else 128)
+        amx = cpu_kernels.has_amx_bfloat16()
+        assert small.rows_for(torch.bfloat16) == (4 if amx else 128)
+        assert (torch.bfloat16 in cpu_linear.LARGE_BATCH_ONEDNN_DTYPES) == amx
+    assert torch.float32 not in cpu_linear.LARGE_BATCH_ONEDNN_DTYPES
 
 
 def _random_decode_step(config, dtype, num_seqs, seed=0):
