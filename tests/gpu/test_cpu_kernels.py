@@ -444,6 +444,25 @@ def test_small_batch_row_bounds_follow_the_cpu(kernel):
     assert torch.float32 not in cpu_linear.LARGE_BATCH_ONEDNN_DTYPES
 
 
+def test_bfloat16_beside_onednn_routes_rows_by_the_bound(kernel, monkeypatch):
+    """As on a CPU with AMX: bfloat16 keeps oneDNN's copy beside the kernel's, products
+    of at most the 4-row bound take the kernel, larger ones oneDNN's (the same values
+    as each path alone)."""
+    small = cpu_kernels.small_batch()
+    if small is None or torch.bfloat16 not in small.dtypes:
+        pytest.skip("this CPU's kernels have no small-batch product in bfloat16 (it needs AVX512_BF16)")
+    monkeypatch.setattr(cpu_linear, "LARGE_BATCH_ONEDNN_DTYPES", frozenset({torch.bfloat16}))
+    monkeypatch.setitem(small._rows_by_dtype, torch.bfloat16, 4)
+    generator = torch.Generator().manual_seed(11)
+    weight = torch.randn(96, 64, generator=generator).bfloat16()
+    linear = cpu_linear.PackedLinear(weight, None, small_batch=small)
+    assert linear.small_weight is not None and linear.packed_weight is not None and linear.small_rows == 4
+    few, many = (torch.randn(n, 64, generator=generator).bfloat16() for n in (4, 5))
+    assert torch.equal(linear(few), small.product(few, linear.small_weight, None, 96))
+    onednn = torch.ops.mkldnn._linear_pointwise(many, linear.packed_weight, None, "none", [], "")
+    assert torch.equal(linear(many), onednn)
+
+
 def _random_decode_step(config, dtype, num_seqs, seed=0):
     """A decode step's inputs for `config`: random caches for every layer, the block
     tables and lengths of `num_seqs` sequences, and the slots their new tokens take."""
