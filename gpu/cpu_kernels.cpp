@@ -798,7 +798,11 @@ inline int64_t product_rows(at::ScalarType dtype) {
 // (8 KiB): the hardware's prefetcher alone left them waiting on memory (at 8 rows,
 // 15-19 -> 24-29 GB/s in bfloat16 and float32 over 48 weights of the 125M model; a
 // decode step at batch 8, 12.5 -> 8.6-11 ms in bfloat16, 23 -> 16-18.5 in float32).
-// One row streams as fast without.
+// One row streams as fast without on a Zen 5 core; on a Xeon with AMX, one row in
+// bfloat16 does not (a decode step at batch 1 of the 125M model, alternated processes:
+// 128 tokens in 1.96-2.04 s against 2.13-2.27 at 1 thread, 0.99-1.08 against 1.19-1.24
+// at 2; the 49 products alone 17.0 against 18.9-20.4 ms), so bfloat16 prefetches at
+// every row count. Float32 (0.96 of that machine's bandwidth at one row) is unchanged.
 constexpr int64_t kSmallAhead = 64;
 
 #ifdef CADENCE_AVX512
@@ -849,7 +853,7 @@ void small_product_rows(const at::BFloat16* x, int64_t x_stride, const at::BFloa
     for (int m = 0; m < kM; ++m) sums[m][0] = sums[m][1] = _mm512_setzero_ps();
     const at::BFloat16* group = weight + g * pairs * 2 * kSmallColumns;
     for (int64_t kp = 0; kp < pairs; ++kp) {
-      if (kM > 1 && kFetch) {
+      if (kFetch) {
         const char* soon = reinterpret_cast<const char*>(group + (kp + kSmallAhead) * 2 * kSmallColumns);
         __builtin_prefetch(soon);
         __builtin_prefetch(soon + 64);
