@@ -780,17 +780,29 @@ constexpr int64_t kSmallColumns = 32;
 constexpr int64_t kTileRows = 14;
 constexpr int64_t kProductRows = 128;
 
-// The most rows a product of this dtype takes here where oneDNN's copy is kept. Where
-// the CPU has AMX, oneDNN multiplies bfloat16 on its tiles, which this kernel does not
-// use, and bfloat16 keeps oneDNN's copy (`cpu_linear.LARGE_BATCH_ONEDNN_DTYPES`).
+// The most rows a product of this dtype and shape takes here where oneDNN's copy is kept.
+// Where the CPU has AMX, oneDNN multiplies bfloat16 on its tiles, which this kernel does
+// not use, and bfloat16 keeps oneDNN's copy (`cpu_linear.LARGE_BATCH_ONEDNN_DTYPES`).
 // Measured on a 2-core Xeon VM with AMX, the 125M benchmark model's four product shapes
 // (qkv, gate/up, down, the 32k-way head), oneDNN's time over this kernel's: 1.1-1.4 at
 // one row, 0.75-1.25 at four, 0.5-0.67 at eight, 0.12-0.2 at 64 and beyond (1 and 2
-// threads). So there bfloat16 takes at most kAmxRows rows here.
+// threads). So there bfloat16 takes at most kAmxRows rows here, or more for a small
+// product: oneDNN's call costs ~17 us whatever its size, and the kernel's bfloat16 time
+// grows as rows x outputs x inputs (~19 ps a multiply-add there), so a product runs here
+// while its rows are at most kAmxMacs / (outputs x inputs). On the demo model's shapes
+// (hidden 128, intermediate 384, a 260-token head), 1 thread, the crossover was 16-32
+// rows, and the bound gives them 10-32 (with 4 for every product, 8 sequences of 128
+// tokens took 0.164-0.178 s against 0.135-0.170 before the AMX rule; with this bound
+// 0.130-0.134 against 0.134-0.136, and at 64 sequences 0.47-0.48 against 0.59).
 constexpr int64_t kAmxRows = 4;
-inline int64_t product_rows(at::ScalarType dtype) {
+constexpr int64_t kAmxMacs = int64_t(1) << 20;
+inline int64_t product_rows(at::ScalarType dtype, [[maybe_unused]] int64_t out_features,
+                            [[maybe_unused]] int64_t in_features) {
 #ifdef __AMX_BF16__
-  if (dtype == at::kBFloat16) return kAmxRows;
+  if (dtype == at::kBFloat16) {
+    const int64_t macs = std::max<int64_t>(1, out_features * in_features);
+    return std::min(kProductRows, std::max(kAmxRows, kAmxMacs / macs));
+  }
 #endif
   return kProductRows;
 }
@@ -993,7 +1005,8 @@ std::vector<std::string> small_product_dtypes() {
 at::Tensor packed_linear(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
                          const c10::optional<at::Tensor>& small, const c10::optional<at::Tensor>& bias,
                          int64_t out_features) {
-  if (small.has_value() && (x.size(0) <= product_rows(x.scalar_type()) || !weight.has_value())) {
+  if (small.has_value() && (x.size(0) <= product_rows(x.scalar_type(), out_features, x.size(1)) ||
+                            !weight.has_value())) {
     return small_product(x, *small, bias, out_features);
   }
   TORCH_CHECK(weight.has_value(), "a product needs a prepacked weight");
@@ -1101,8 +1114,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("small_product_dtypes", &small_product_dtypes, "the dtypes small_product takes on this CPU");
   m.attr("SMALL_ROWS") = kProductRows;
-  m.def("product_rows", [](const std::string& dtype) {
-    return product_rows(dtype == "bfloat16" ? at::kBFloat16 : at::kFloat);
+  m.def("product_rows", [](const std::string& dtype, int64_t out_features, int64_t in_features) {
+    return product_rows(dtype == "bfloat16" ? at::kBFloat16 : at::kFloat, out_features, in_features);
   }, "the most rows a product of this dtype takes on the small-batch path beside oneDNN's copy");
   m.attr("SMALL_COLUMNS") = kSmallColumns;
   m.def("argmax", &argmax, "torch.argmax(x, dim=-1) of rows", py::call_guard<py::gil_scoped_release>());

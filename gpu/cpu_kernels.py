@@ -47,7 +47,7 @@ def _cpu_flags() -> str:
 def has_amx_bfloat16() -> bool:
     """Whether this CPU multiplies bfloat16 on AMX tiles (as the kernels, built with
     -march=native, see it): oneDNN's products then outrun the small-batch kernel
-    beyond a few rows (`SmallBatch.rows_for`)."""
+    beyond a few rows, the fewer the larger the product (`SmallBatch.rows_for`)."""
     return "amx_bf16" in _cpu_flags().split()
 
 
@@ -168,14 +168,16 @@ class SmallBatch:
         self.rows, self.columns = module.SMALL_ROWS, module.SMALL_COLUMNS
         names = module.small_product_dtypes()
         self.dtypes = frozenset(getattr(torch, name) for name in names)
-        # Beside oneDNN's copy, the most rows a product takes here (fewer in bfloat16
-        # where oneDNN has AMX tiles), the same bound the decode stack applies.
-        self._rows_by_dtype = {getattr(torch, name): module.product_rows(name) for name in names}
+        self._product_rows = module.product_rows
         self.product = module.small_product
 
-    def rows_for(self, dtype: torch.dtype) -> int:
-        """The most rows a product of `dtype` runs here where oneDNN's copy is kept."""
-        return self._rows_by_dtype.get(dtype, self.rows)
+    def rows_for(self, dtype: torch.dtype, out_features: int, in_features: int) -> int:
+        """The most rows a product of `dtype` and this shape runs here where oneDNN's
+        copy is kept (fewer in bfloat16 where oneDNN has AMX tiles, the fewer the
+        larger the product), the same bound the decode stack applies."""
+        if dtype not in self.dtypes:
+            return self.rows
+        return self._product_rows(str(dtype).removeprefix("torch."), out_features, in_features)
 
     def fits(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         per_run = 2 if weight.dtype == torch.bfloat16 else 1

@@ -163,7 +163,7 @@ class PackedLinear(nn.Module):
             if arena is not None:
                 out = arena.take(self.small_batch.packed_shape(*weight.shape, weight.dtype), weight.dtype)
             self.small_weight = self.small_batch.pack(weight.detach(), out)
-        self.small_rows = 0 if self.small_batch is None else self.small_batch.rows_for(weight.dtype)
+        self.small_rows = 0 if self.small_batch is None else self.small_batch.rows_for(weight.dtype, *weight.shape)
         self.packed_weight = None
         if self.small_batch is None or weight.dtype in LARGE_BATCH_ONEDNN_DTYPES:
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(),

@@ -431,15 +431,20 @@ def test_small_batch_product_matches_the_reference(kernel, dtype, rows, out_feat
 
 def test_small_batch_row_bounds_follow_the_cpu(kernel):
     """Beside oneDNN's copy, products of up to 128 rows take the small-batch path, but
-    bfloat16 takes at most 4 rows where the CPU has AMX (oneDNN's tiles), and only
-    there keeps oneDNN's copy."""
+    where the CPU has AMX (oneDNN's tiles) a bfloat16 product takes at most 4 rows, or
+    more the smaller it is (2^20 multiply-adds a row count), and only there bfloat16
+    keeps oneDNN's copy."""
     small = cpu_kernels.small_batch()
     if small is None:
         pytest.skip("this CPU's kernels have no small-batch product (it needs AVX-512)")
-    assert small.rows == 128 and small.rows_for(torch.float32) == 128
+    assert small.rows == 128
+    assert small.rows_for(torch.float32, 1280, 768) == small.rows_for(torch.float32, 256, 128) == 128
     if torch.bfloat16 in small.dtypes:
         amx = cpu_kernels.has_amx_bfloat16()
-        assert small.rows_for(torch.bfloat16) == (4 if amx else 128)
+        # A 125M model's products, the demo model's, and one small enough for 128 rows.
+        bounds = [small.rows_for(torch.bfloat16, out, into)
+                  for out, into in ((32000, 768), (1280, 768), (768, 128), (256, 128), (64, 64))]
+        assert bounds == ([4, 4, 10, 32, 128] if amx else [128] * 5)
         assert (torch.bfloat16 in cpu_linear.LARGE_BATCH_ONEDNN_DTYPES) == amx
     assert torch.float32 not in cpu_linear.LARGE_BATCH_ONEDNN_DTYPES
 
@@ -452,7 +457,7 @@ def test_bfloat16_beside_onednn_routes_rows_by_the_bound(kernel, monkeypatch):
     if small is None or torch.bfloat16 not in small.dtypes:
         pytest.skip("this CPU's kernels have no small-batch product in bfloat16 (it needs AVX512_BF16)")
     monkeypatch.setattr(cpu_linear, "LARGE_BATCH_ONEDNN_DTYPES", frozenset({torch.bfloat16}))
-    monkeypatch.setitem(small._rows_by_dtype, torch.bfloat16, 4)
+    monkeypatch.setattr(small, "rows_for", lambda dtype, out_features, in_features: 4)
     generator = torch.Generator().manual_seed(11)
     weight = torch.randn(96, 64, generator=generator).bfloat16()
     linear = cpu_linear.PackedLinear(weight, None, small_batch=small)
