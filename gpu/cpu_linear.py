@@ -43,12 +43,12 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # 2 threads, on a CPU without AMX (AVX-512 BF16): the small-batch kernel in row blocks
 # took 0.99-1.02x oneDNN's time in float32 and 1.00-1.05x in bfloat16. So float32 holds
 # one copy of each weight (the 125M model's float32 server 400 MB smaller), and there
-# bfloat16 does too. Where the CPU has AMX, oneDNN multiplies bfloat16 on its tiles:
-# 5-8x the kernel's speed at 64 rows and beyond (`product_rows` in cpu_kernels.cpp), so
-# there bfloat16 keeps oneDNN's copy beside the kernel's (the weights twice, as vLLM's
-# CPU backend does not, but the kernel's copy is what a decode step of 1-4 rows reads
-# fastest). Without AMX, measured:
-# Whole runs, alternated (cpu_peers.py, 125M model, bfloat16, 2-3 runs each): offline at
+# bfloat16 does too (whole runs, below). Where the CPU has AMX, oneDNN multiplies
+# bfloat16 on its tiles, 5-8x the kernel's speed at 64 rows and beyond, so there
+# bfloat16 keeps oneDNN's copy beside the kernel's: each weight held twice, the kernel's
+# for the decode steps of a few rows (`product_rows` in cpu_kernels.cpp says how few).
+# Whole runs without AMX, alternated (cpu_peers.py, 125M model, bfloat16, 2-3 runs
+# each): offline at
 # 2 threads 1,147-1,384 tokens/s at batch 8 and 1,998-2,137 at 64 with one copy against
 # 1,156-1,348 and 2,045-2,134 with two; at 1 thread 850-879 and 1,134-1,149 against
 # 822-824 and 1,079-1,103; a server at 2 threads, 200 requests, 32 clients 10.4-11.2
