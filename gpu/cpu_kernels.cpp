@@ -20,6 +20,11 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define CADENCE_AVX512 1
@@ -780,10 +785,161 @@ constexpr int64_t kSmallColumns = 32;
 constexpr int64_t kTileRows = 14;
 constexpr int64_t kProductRows = 128;
 
+#ifdef __AVX512BF16__
+// Half `half` of group g's 32 outputs: which of its 16 exist (`mask`) and their bias in
+// float32 (`shift`); false where none do.
+inline bool bfloat16_half(int64_t g, int half, int64_t out_features, const at::BFloat16* bias, __mmask16& mask,
+                          __m512& shift) {
+  const int64_t first = g * kSmallColumns + half * 16;
+  if (first >= out_features) return false;
+  mask = out_features - first >= 16 ? __mmask16(0xffff) : __mmask16((1u << (out_features - first)) - 1u);
+  shift = _mm512_setzero_ps();
+  if (bias != nullptr) {
+    const __m256i raw = _mm256_maskz_loadu_epi16(mask, bias + first);
+    shift = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
+  return true;
+}
+
+// sum + shift rounded to bfloat16 once, stored at the outputs `mask` keeps.
+inline void store_bfloat16_sums(at::BFloat16* dst, __mmask16 mask, __m512 sum, __m512 shift) {
+  _mm256_mask_storeu_epi16(dst, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(sum, shift)));
+}
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#define CADENCE_AMX 1
+// Bfloat16 on AMX tiles, from the same packed weight: a group's pairs of inputs are
+// rows of 128 bytes, the first 64 its first 16 outputs' pairs and the next 64 the
+// other 16's, so 16 pairs of one half, read with a stride of 128 bytes, are one B tile
+// as TDPBF16PS wants it (16 rows of 16 outputs x 2 inputs); A tiles are 16 rows x 32
+// inputs of x. Measured on a 2-core Xeon VM with AMX, one thread, the 125M benchmark
+// model's products (qkv 1280x768, o 768x768, gate/up 4096x768, down 768x2048, the
+// 32k-way head), weights streamed from memory: at 8 rows 10.9-12.1 GB/s against oneDNN's
+// prepacked product's 8.8-12.2 and the vector kernel's 9.4-10.0 (the 48 products of the
+// layers 12.9 ms against oneDNN's 15.0), at 32 rows 9.6-10.4 against 8.3-9.9, at one row
+// level with the vector kernel; at 64 rows level with oneDNN (both ~500 GFLOP/s), and
+// from 512 rows oneDNN's blocking is 1.1-1.5x faster (~1 TFLOP/s here against 1.1-1.45).
+// So on AMX a bfloat16 product of at most kAmxKernelRows rows runs here, larger ones on
+// oneDNN's copy (`product_rows`). Below kAmxMinRows rows the vector kernel runs: its
+// rows are all real where a tile multiplies 16, and a whole decode step of the 125M
+// model (1 thread, the runner alone, two sittings) took 15.5-16.6 ms at 4 sequences
+// and 17.6-18.1 at 6 on it against 17.3-18.2 and 18.4-19.5 on the tiles; at 8, 20.9-21.6
+// against 19.9-20.8 (and 23.7-23.8 on oneDNN, the path before the tiles); one row in
+// bfloat16 on tiles also slowed the demo model's batch-1 decode by ~7%, its weights hot
+// in the cache (compute then counts, and 15 of the tile's 16 rows are padding).
+constexpr int64_t kAmxKernelRows = 32;
+constexpr int64_t kAmxMinRows = 8;
+struct TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands a process the tile registers' state only on request.
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
+    constexpr long kTileData = 18;               // XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return permitted;
+}
+
+constexpr int64_t kAmxTile = 16;       // rows of an A or sum tile, pairs of a B tile
+constexpr int64_t kAmxTileInputs = 32;  // inputs of an A tile: 64 bytes
+
+// Groups [first_group, last_group) of the weight against x's `blocks` blocks of 16 rows
+// (x padded to whole blocks; `rows` of them real), one block at a time: two sum tiles
+// (the group's halves, 0-1), A tiles 2-3 and B tiles 4-7 taking pairs of input blocks
+// in turn, so that loading the next never waits on a product still reading the last.
+// Sums in float32, plus bias, rounded once.
+void amx_product_groups(const at::BFloat16* x, int64_t blocks, int64_t rows, int64_t inputs,
+                        const at::BFloat16* weight, const at::BFloat16* bias, at::BFloat16* y,
+                        int64_t out_features, int64_t first_group, int64_t last_group) {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = kAmxTile;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+  alignas(64) float sums[kAmxTile][kSmallColumns];
+  const int64_t group_elements = inputs * kSmallColumns, a_stride = inputs * 2;
+  const int64_t b_stride = 2 * kSmallColumns * 2, k_blocks = inputs / kAmxTileInputs;
+  constexpr int64_t b_step = kAmxTile * 2 * kSmallColumns;
+  for (int64_t g = first_group; g < last_group; ++g) {
+    const at::BFloat16* group = weight + g * group_elements;
+    for (int64_t block = 0; block < blocks; ++block) {
+      const at::BFloat16* a = x + block * kAmxTile * inputs;
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int64_t kb = 0; kb < k_blocks; kb += 2) {
+        const at::BFloat16* b = group + kb * b_step;
+        _tile_loadd(4, b, b_stride);
+        _tile_loadd(5, b + kAmxTile * 2, b_stride);
+        _tile_loadd(2, a + kb * kAmxTileInputs, a_stride);
+        _tile_dpbf16ps(0, 2, 4);
+        _tile_dpbf16ps(1, 2, 5);
+        if (kb + 1 < k_blocks) {
+          _tile_loadd(6, b + b_step, b_stride);
+          _tile_loadd(7, b + b_step + kAmxTile * 2, b_stride);
+          _tile_loadd(3, a + (kb + 1) * kAmxTileInputs, a_stride);
+          _tile_dpbf16ps(0, 3, 6);
+          _tile_dpbf16ps(1, 3, 7);
+        }
+      }
+      _tile_stored(0, &sums[0][0], kSmallColumns * 4);
+      _tile_stored(1, &sums[0][16], kSmallColumns * 4);
+      const int64_t here = std::min<int64_t>(kAmxTile, rows - block * kAmxTile);
+      __mmask16 mask;
+      __m512 shift;
+      for (int half = 0; half < 2 && bfloat16_half(g, half, out_features, bias, mask, shift); ++half) {
+        at::BFloat16* out = y + block * kAmxTile * out_features + g * kSmallColumns + half * 16;
+        for (int64_t r = 0; r < here; ++r) {
+          store_bfloat16_sums(out + r * out_features, mask, _mm512_load_ps(&sums[r][half * 16]), shift);
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+// Whether a bfloat16 product of this many inputs runs on the tiles here: whole A tiles,
+// and the tile state granted.
+inline bool amx_serves(int64_t in_features) { return in_features % kAmxTileInputs == 0 && amx_permitted(); }
+
+// x [M, K] (K a multiple of 32) times the packed bfloat16 weight, on AMX tiles.
+void amx_product(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                 at::Tensor& y, int64_t out_features) {
+  const int64_t rows = x.size(0), inputs = x.size(1), blocks = (rows + kAmxTile - 1) / kAmxTile;
+  const auto* xs = x.data_ptr<at::BFloat16>();
+  // A last block of fewer than 16 rows is read from a copy padded with zeros (the
+  // tiles read 16 rows whatever the count).
+  thread_local std::vector<at::BFloat16> padded;
+  if (rows % kAmxTile != 0 || x.stride(0) != inputs) {
+    padded.assign(blocks * kAmxTile * inputs, at::BFloat16(0.0f));
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(padded.data() + r * inputs, xs + r * x.stride(0), inputs * 2);
+    xs = padded.data();
+  }
+  const auto* w = packed.data_ptr<at::BFloat16>();
+  const at::BFloat16* b = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
+  auto* ys = y.data_ptr<at::BFloat16>();
+  const int64_t groups = packed.size(0);
+  at::parallel_for(0, groups, 8, [&](int64_t begin, int64_t end) {
+    amx_product_groups(xs, blocks, rows, inputs, w, b, ys, out_features, begin, end);
+  });
+}
+#endif
+
 // The most rows a product of this dtype and shape takes here where oneDNN's copy is kept.
-// Where the CPU has AMX, oneDNN multiplies bfloat16 on its tiles, which this kernel does
-// not use, and bfloat16 keeps oneDNN's copy (`cpu_linear.LARGE_BATCH_ONEDNN_DTYPES`).
-// Measured on a 2-core Xeon VM with AMX, the 125M benchmark model's four product shapes
+// Where the CPU has AMX, oneDNN multiplies bfloat16 on its tiles, and bfloat16 keeps
+// oneDNN's copy (`cpu_linear.LARGE_BATCH_ONEDNN_DTYPES`). Where this build has the tile
+// kernel above (and the product's inputs fill whole tiles), a bfloat16 product takes it
+// for at most kAmxKernelRows rows, or for more the smaller it is (below). Otherwise the
+// vector kernel's bound: measured on a 2-core Xeon VM with AMX, the 125M benchmark
+// model's four product shapes
 // (qkv, gate/up, down, the 32k-way head), oneDNN's time over this kernel's: 1.1-1.4 at
 // one row, 0.75-1.25 at four, 0.5-0.67 at eight, 0.12-0.2 at 64 and beyond (1 and 2
 // threads). So there bfloat16 takes at most kAmxRows rows here, or more for a small
@@ -801,7 +957,11 @@ inline int64_t product_rows(at::ScalarType dtype, [[maybe_unused]] int64_t out_f
 #ifdef __AMX_BF16__
   if (dtype == at::kBFloat16) {
     const int64_t macs = std::max<int64_t>(1, out_features * in_features);
-    return std::min(kProductRows, std::max(kAmxRows, kAmxMacs / macs));
+    int64_t rows = std::max(kAmxRows, kAmxMacs / macs);
+#ifdef CADENCE_AMX
+    if (amx_serves(in_features)) rows = std::max(rows, kAmxKernelRows);
+#endif
+    return std::min(kProductRows, rows);
   }
 #endif
   return kProductRows;
@@ -880,20 +1040,11 @@ void small_product_rows(const at::BFloat16* x, int64_t x_stride, const at::BFloa
         sums[m][1] = _mm512_dpbf16_ps(sums[m][1], both, high);
       }
     }
-    for (int half = 0; half < 2; ++half) {
+    __mmask16 mask;
+    __m512 shift;
+    for (int half = 0; half < 2 && bfloat16_half(g, half, out_features, bias, mask, shift); ++half) {
       const int64_t first = g * kSmallColumns + half * 16;
-      if (first >= out_features) break;
-      const __mmask16 mask = out_features - first >= 16 ? __mmask16(0xffff)
-                                                        : __mmask16((1u << (out_features - first)) - 1u);
-      __m512 shift = _mm512_setzero_ps();
-      if (bias != nullptr) {
-        const __m256i raw = _mm256_maskz_loadu_epi16(mask, bias + first);
-        shift = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-      }
-      for (int m = 0; m < kM; ++m) {
-        const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_add_ps(sums[m][half], shift));
-        _mm256_mask_storeu_epi16(y + m * y_stride + first, mask, (__m256i)rounded);
-      }
+      for (int m = 0; m < kM; ++m) store_bfloat16_sums(y + m * y_stride + first, mask, sums[m][half], shift);
     }
   }
 }
@@ -969,6 +1120,12 @@ at::Tensor small_product(const at::Tensor& x, const at::Tensor& packed, const c1
       small_product_all<float>(xb, packed, bias, yb, out_features);
 #ifdef __AVX512BF16__
     } else if (x.scalar_type() == at::kBFloat16) {
+#ifdef CADENCE_AMX
+      if (n >= kAmxMinRows && amx_serves(x.size(1))) {
+        amx_product(xb, packed, bias, yb, out_features);
+        continue;
+      }
+#endif
       small_product_all<at::BFloat16>(xb, packed, bias, yb, out_features);
 #endif
     } else {
@@ -1113,6 +1270,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_product", &small_product, "x [<= SMALL_ROWS, K] times a small-batch packed weight",
         py::call_guard<py::gil_scoped_release>());
   m.def("small_product_dtypes", &small_product_dtypes, "the dtypes small_product takes on this CPU");
+  m.def("tile_products", [] {
+#ifdef CADENCE_AMX
+    return amx_permitted();
+#else
+    return false;
+#endif
+  }, "whether bfloat16 small products run on AMX tiles here (inputs a multiple of 32)");
   m.attr("SMALL_ROWS") = kProductRows;
   m.def("product_rows", [](const std::string& dtype, int64_t out_features, int64_t in_features) {
     return product_rows(dtype == "bfloat16" ? at::kBFloat16 : at::kFloat, out_features, in_features);

@@ -170,11 +170,14 @@ class SmallBatch:
         self.dtypes = frozenset(getattr(torch, name) for name in names)
         self._product_rows = module.product_rows
         self.product = module.small_product
+        # Whether bfloat16 products (of a multiple of 32 inputs) run on AMX tiles here.
+        self.tiles = bool(module.tile_products())
 
     def rows_for(self, dtype: torch.dtype, out_features: int, in_features: int) -> int:
         """The most rows a product of `dtype` and this shape runs here where oneDNN's
-        copy is kept (fewer in bfloat16 where oneDNN has AMX tiles, the fewer the
-        larger the product), the same bound the decode stack applies."""
+        copy is kept (fewer in bfloat16 where oneDNN has AMX tiles: 32 where these
+        kernels use the tiles too, else the fewer the larger the product), the same
+        bound the decode stack applies."""
         if dtype not in self.dtypes:
             return self.rows
         return self._product_rows(str(dtype).removeprefix("torch."), out_features, in_features)

@@ -421,8 +421,14 @@ def test_small_batch_product_matches_the_reference(kernel, dtype, rows, out_feat
     if rows <= linear.small_rows or linear.packed_weight is None:  # the linear took the small product
         assert torch.equal(through_linear, got)
     # A row's sums run in the same order whatever rows share the product (runs of rows
-    # over one weight group included): its result does not depend on the batch.
-    assert torch.equal(one_by_one, got)
+    # over one weight group included): its result does not depend on the batch. Where
+    # bfloat16 runs on AMX tiles (from 8 rows, inputs a multiple of 32), within them.
+    on_tiles = small.tiles and dtype == torch.bfloat16 and in_features % 32 == 0
+    if on_tiles and rows >= 8:
+        torch.testing.assert_close(one_by_one.float(), want, **tolerance)
+        assert torch.equal(small.product(x[:8], packed, bias, out_features), got[:8])
+    else:
+        assert torch.equal(one_by_one, got)
     torch.testing.assert_close(through_large.float(), torch.cat([want] * (small.rows // rows + 1)),
                                atol=5e-2, rtol=2e-2)
     # One copy of the weight where the small-batch kernel serves every batch size.
@@ -433,7 +439,8 @@ def test_small_batch_row_bounds_follow_the_cpu(kernel):
     """Beside oneDNN's copy, products of up to 128 rows take the small-batch path, but
     where the CPU has AMX (oneDNN's tiles) a bfloat16 product takes at most 4 rows, or
     more the smaller it is (2^20 multiply-adds a row count), and only there bfloat16
-    keeps oneDNN's copy."""
+    keeps oneDNN's copy; where the kernels multiply on the tiles themselves, a product
+    whose inputs fill whole tiles (a multiple of 32) takes at least 32 rows."""
     small = cpu_kernels.small_batch()
     if small is None:
         pytest.skip("this CPU's kernels have no small-batch product (it needs AVX-512)")
@@ -443,8 +450,13 @@ def test_small_batch_row_bounds_follow_the_cpu(kernel):
         amx = cpu_kernels.has_amx_bfloat16()
         # A 125M model's products, the demo model's, and one small enough for 128 rows.
         bounds = [small.rows_for(torch.bfloat16, out, into)
-                  for out, into in ((32000, 768), (1280, 768), (768, 128), (256, 128), (64, 64))]
-        assert bounds == ([4, 4, 10, 32, 128] if amx else [128] * 5)
+                  for out, into in ((32000, 768), (1280, 768), (768, 128), (256, 128), (64, 64), (2048, 48))]
+        if not amx:
+            assert bounds == [128] * 6 and not small.tiles
+        elif small.tiles:
+            assert bounds == [32, 32, 32, 32, 128, 10]
+        else:
+            assert bounds == [4, 4, 10, 32, 128, 10]
         assert (torch.bfloat16 in cpu_linear.LARGE_BATCH_ONEDNN_DTYPES) == amx
     assert torch.float32 not in cpu_linear.LARGE_BATCH_ONEDNN_DTYPES
 
