@@ -254,7 +254,10 @@ def _product(linear) -> list:
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for [T, I] tensors."""
+    """silu(gate) * up for [T, I] tensors: in bfloat16 one kernel pass (rounded where
+    torch's silu and mul round, its exp its own), else torch's ops."""
+    if gate.dtype == torch.bfloat16 and gate.dim() == 2:
+        return _kernels().silu_mul(gate, up)
     return torch.nn.functional.silu(gate).mul_(up)
 
 

@@ -234,6 +234,8 @@ class MLP(nn.Module):
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        if self.fused is not None and gate.dim() == 2:
+            return self.down_proj(self.fused.silu_and_mul(gate, up))
         return self.down_proj(F.silu(gate).mul_(up))
 
 

@@ -286,6 +286,31 @@ def test_a_long_prefill_runs_the_packed_mlp_in_slices_with_the_same_values(dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_rounds_as_torchs_silu_then_mul(kernel, dtype):
+    """The halves of a merged gate/up product (strided views), 37 rows of 100 (a
+    partial vector at each row's end): float32 is torch's ops; bfloat16 one pass whose
+    own exp may round a value on a bfloat16 edge the other way (one unit in the last
+    place at most, rarely), with torch's zeros, infinities and NaNs."""
+    generator = torch.Generator().manual_seed(5)
+    gate_up = (torch.randn(37, 200, generator=generator) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = F.silu(gate).mul_(up)
+    got = cpu_kernels.silu_and_mul(gate, up)
+    assert got.shape == want.shape and got.dtype == dtype
+    if dtype == torch.float32:
+        assert torch.equal(got, want)
+        return
+    differ = got != want
+    assert differ.float().mean() < 0.01
+    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2 ** -7)
+    edges = torch.tensor([0.0, -0.0, 1e-30, -200.0, 200.0, float("inf"), float("-inf"), float("nan"),
+                          88.0, -88.0, -88.8, -104.0, 1e-3, 1e30, -1e30]).to(dtype).view(1, -1)
+    want, got = F.silu(edges).mul_(edges), cpu_kernels.silu_and_mul(edges, edges)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(0.0, 1.0, -1.0), want.nan_to_num(0.0, 1.0, -1.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_norm_and_rotary_round_as_the_torch_ops(kernel, dtype):
     from cadence.gpu.model import RMSNorm, RotaryEmbedding, apply_rotary
 
