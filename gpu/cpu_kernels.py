@@ -182,6 +182,11 @@ class SmallBatch:
             return self.rows
         return self._product_rows(str(dtype).removeprefix("torch."), out_features, in_features)
 
+    def on_tiles(self, dtype: torch.dtype, in_features: int) -> bool:
+        """Whether products of this dtype and input count run on AMX tiles here from
+        8 rows (bfloat16, whole tiles of 32 inputs)."""
+        return self.tiles and dtype == torch.bfloat16 and in_features % 32 == 0
+
     def fits(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         per_run = 2 if weight.dtype == torch.bfloat16 else 1
         return (weight.dtype in self.dtypes and weight.shape[1] % per_run == 0

@@ -147,11 +147,13 @@ class PackedLinear(nn.Module):
     in row blocks, unless W's dtype is in `LARGE_BATCH_ONEDNN_DTYPES`: then oneDNN's
     layout is kept beside it, a second copy of the weight, for them.
 
-    `arena` (a `WeightArena`), where given, holds the small-batch layout.
+    `arena` (a `WeightArena`), where given, holds the small-batch layout. `large_copy`
+    False: no oneDNN copy where the kernels multiply W's products on AMX tiles (they
+    then take every row count, slower than oneDNN's from ~64 rows), one copy held.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, small_batch=None,
-                 arena: WeightArena | None = None) -> None:
+                 arena: WeightArena | None = None, large_copy: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.dtype = weight.dtype
@@ -165,7 +167,9 @@ class PackedLinear(nn.Module):
             self.small_weight = self.small_batch.pack(weight.detach(), out)
         self.small_rows = 0 if self.small_batch is None else self.small_batch.rows_for(weight.dtype, *weight.shape)
         self.packed_weight = None
-        if self.small_batch is None or weight.dtype in LARGE_BATCH_ONEDNN_DTYPES:
+        one_copy = (not large_copy and self.small_batch is not None
+                    and self.small_batch.on_tiles(weight.dtype, self.in_features))
+        if self.small_batch is None or (weight.dtype in LARGE_BATCH_ONEDNN_DTYPES and not one_copy):
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(),
                                                                          PACK_BATCH_HINT)
 
@@ -179,14 +183,16 @@ class PackedLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
-def merged(*linears: nn.Linear, small_batch=None, arena: WeightArena | None = None) -> PackedLinear:
+def merged(*linears: nn.Linear, small_batch=None, arena: WeightArena | None = None,
+           large_copy: bool = True) -> PackedLinear:
     """One packed product computing the outputs of `linears` side by side."""
     weight = torch.cat([linear.weight.detach() for linear in linears], dim=0)
     biases = [linear.bias for linear in linears]
     bias = None if biases[0] is None else torch.cat([b.detach() for b in biases], dim=0)
-    return PackedLinear(weight, bias, small_batch, arena)
+    return PackedLinear(weight, bias, small_batch, arena, large_copy)
 
 
-def packed(linear: nn.Linear, small_batch=None, arena: WeightArena | None = None) -> PackedLinear:
+def packed(linear: nn.Linear, small_batch=None, arena: WeightArena | None = None,
+           large_copy: bool = True) -> PackedLinear:
     """`linear` as a packed product."""
-    return PackedLinear(linear.weight, linear.bias, small_batch, arena)
+    return PackedLinear(linear.weight, linear.bias, small_batch, arena, large_copy)

@@ -390,7 +390,8 @@ class CausalLM(nn.Module):
             mlp.down_proj = cpu_linear.packed(mlp.down_proj, small_batch=small_batch, arena=arena)
             mlp.chunk_rows = cpu_linear.rows_in_cache(2 * self.config.intermediate_size,
                                                      mlp.down_proj.dtype)
-        self.packed_head = cpu_linear.PackedLinear(head.weight, None, small_batch=small_batch, arena=arena)
+        self.packed_head = cpu_linear.PackedLinear(head.weight, None, small_batch=small_batch, arena=arena,
+                                                   large_copy=False)
         self.lm_head = None
 
 

@@ -505,6 +505,31 @@ def test_bfloat16_beside_onednn_routes_rows_by_the_bound(kernel, monkeypatch):
     assert torch.equal(linear(many), onednn)
 
 
+def test_a_large_copy_is_dropped_only_where_tiles_take_every_row_count(kernel, monkeypatch):
+    """`large_copy=False` (the output head's): where the kernels multiply bfloat16 on AMX
+    tiles, no oneDNN copy is kept and every row count takes the small-batch product
+    (its values); where they do not, or for inputs that do not fill whole tiles, or in
+    float32, the weight is laid out as before."""
+    small = cpu_kernels.small_batch()
+    if small is None or torch.bfloat16 not in small.dtypes:
+        pytest.skip("this CPU's kernels have no small-batch product in bfloat16 (it needs AVX512_BF16)")
+    monkeypatch.setattr(cpu_linear, "LARGE_BATCH_ONEDNN_DTYPES", frozenset({torch.bfloat16}))
+    generator = torch.Generator().manual_seed(12)
+    weight, odd = torch.randn(96, 64, generator=generator).bfloat16(), torch.randn(96, 48, generator=generator).bfloat16()
+    for tiles in (False, True):
+        monkeypatch.setattr(small, "tiles", tiles)
+        head = cpu_linear.PackedLinear(weight, None, small_batch=small, large_copy=False)
+        kept = cpu_linear.PackedLinear(weight, None, small_batch=small)
+        assert kept.packed_weight is not None
+        assert (head.packed_weight is None) == tiles
+        assert cpu_linear.PackedLinear(odd, None, small_batch=small, large_copy=False).packed_weight is not None
+        assert cpu_linear.PackedLinear(weight.float(), None, small_batch=small,
+                                       large_copy=False).packed_weight is None  # float32: one copy anyway
+        if tiles:
+            many = torch.randn(300, 64, generator=generator).bfloat16()
+            assert torch.equal(head(many), small.product(many, head.small_weight, None, 96))
+
+
 def _random_decode_step(config, dtype, num_seqs, seed=0):
     """A decode step's inputs for `config`: random caches for every layer, the block
     tables and lengths of `num_seqs` sequences, and the slots their new tokens take."""
