@@ -32,6 +32,13 @@
 
 namespace {
 
+#ifdef CADENCE_AVX512
+// 16 bfloat16 values (their bits) as float32 lanes: exact, a shift of each into the high half.
+inline __m512 widen_bfloat16(__m256i raw) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
+
 inline float to_float(float x) { return x; }
 inline float to_float(double x) { return static_cast<float>(x); }
 inline float to_float(at::BFloat16 x) {
@@ -216,8 +223,7 @@ struct Lanes<at::BFloat16, kVecs> {
     return sum;
   }
   static __m512 value(const at::BFloat16* src, int c) {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * c));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    return widen_bfloat16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * c)));
   }
   static void store(at::BFloat16* dst, int c, __m512 x) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * c), (__m256i)_mm512_cvtneps_pbh(x));
@@ -623,8 +629,7 @@ int64_t argmax_row(const scalar_t* row, int64_t n) {
       if constexpr (std::is_same_v<scalar_t, float>) {
         return _mm512_loadu_ps(row + i);
       } else if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+        return widen_bfloat16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i)));
       } else {
         float values[16];
         for (int j = 0; j < 16; ++j) values[j] = to_float(row[i + j]);
@@ -794,10 +799,7 @@ inline bool bfloat16_half(int64_t g, int half, int64_t out_features, const at::B
   if (first >= out_features) return false;
   mask = out_features - first >= 16 ? __mmask16(0xffff) : __mmask16((1u << (out_features - first)) - 1u);
   shift = _mm512_setzero_ps();
-  if (bias != nullptr) {
-    const __m256i raw = _mm256_maskz_loadu_epi16(mask, bias + first);
-    shift = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-  }
+  if (bias != nullptr) shift = widen_bfloat16(_mm256_maskz_loadu_epi16(mask, bias + first));
   return true;
 }
 
@@ -819,7 +821,8 @@ inline void store_bfloat16_sums(at::BFloat16* dst, __mmask16 mask, __m512 sum, _
 // prepacked product's 8.8-12.2 and the vector kernel's 9.4-10.0 (the 48 products of the
 // layers 12.9 ms against oneDNN's 15.0), at 32 rows 9.6-10.4 against 8.3-9.9, at one row
 // level with the vector kernel; at 64 rows level with oneDNN (both ~500 GFLOP/s), and
-// from 512 rows oneDNN's blocking is 1.1-1.5x faster (~1 TFLOP/s here against 1.1-1.45).
+// at 128 rows oneDNN's blocking is 1.05-1.35x faster and at 512 1.5-1.9x (~1 TFLOP/s at best
+// here against 1.1-1.45).
 // So on AMX a bfloat16 product of at most kAmxKernelRows rows runs here, larger ones on
 // oneDNN's copy (`product_rows`). Below kAmxMinRows rows the vector kernel runs: its
 // rows are all real where a tile multiplies 16, and a whole decode step of the 125M
@@ -919,8 +922,9 @@ void amx_product(const at::Tensor& x, const at::Tensor& packed, const c10::optio
   // tiles read 16 rows whatever the count).
   thread_local std::vector<at::BFloat16> padded;
   if (rows % kAmxTile != 0 || x.stride(0) != inputs) {
-    padded.assign(blocks * kAmxTile * inputs, at::BFloat16(0.0f));
+    padded.resize(blocks * kAmxTile * inputs);
     for (int64_t r = 0; r < rows; ++r) std::memcpy(padded.data() + r * inputs, xs + r * x.stride(0), inputs * 2);
+    std::fill(padded.begin() + rows * inputs, padded.end(), at::BFloat16(0.0f));
     xs = padded.data();
   }
   const auto* w = packed.data_ptr<at::BFloat16>();
@@ -1174,10 +1178,6 @@ inline __m512 exp_lanes(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
-}
-
-inline __m512 widen_bfloat16(__m256i raw) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
 void silu_mul_row(const at::BFloat16* gate, const at::BFloat16* up, at::BFloat16* out, int64_t n) {
