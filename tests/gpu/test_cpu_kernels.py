@@ -113,15 +113,11 @@ def test_cpu_backend_mixes_kernel_decodes_with_sdpa_prefills():
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_size, num_kv_heads, group, head_dim", [(16, 2, 3, 64), (5, 1, 4, 128), (8, 4, 1, 32)])
-@pytest.mark.parametrize("num_threads", [1, 2])
-def test_one_kernel_attends_decodes_and_prefills_as_the_reference(kernel, dtype, block_size, num_kv_heads, group,
-                                                                  head_dim, num_threads):
-    """Decodes, a fresh prefill longer than a tile of query tokens, a prefill chunk after
-    cached context and a one-token chunk, in one call: the reference's answer."""
-    generator = torch.Generator().manual_seed(block_size * head_dim)
-    q_lens, seq_lens = [1, 1, 37, 20, 1, 16], [9, 1, 37, 61, 30, 16]
+def prefill_batch(q_lens, seq_lens, block_size, num_kv_heads, group, head_dim, dtype, seed):
+    """One step's query rows and caches: sequence i has q_lens[i] new tokens ending at
+    position seq_lens[i] - 1, its blocks in shuffled order (the leading one-token
+    sequences are the step's decodes)."""
+    generator = torch.Generator().manual_seed(seed)
     width = -(-max(seq_lens) // block_size)
     num_blocks = len(q_lens) * width + 2
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -131,7 +127,21 @@ def test_one_kernel_attends_decodes_and_prefills_as_the_reference(kernel, dtype,
     query = torch.randn(sum(q_lens), num_kv_heads * group, head_dim, generator=generator).to(dtype)
     meta = AttentionMetadata(slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64), query_start_loc=starts,
                              seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables.to(torch.int32),
-                             max_query_len=max(q_lens), max_seq_len=max(seq_lens), num_decode_seqs=2)
+                             max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+                             num_decode_seqs=next((i for i, n in enumerate(q_lens) if n > 1), len(q_lens)))
+    return query, k_cache, v_cache, meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size, num_kv_heads, group, head_dim", [(16, 2, 3, 64), (5, 1, 4, 128), (8, 4, 1, 32)])
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_one_kernel_attends_decodes_and_prefills_as_the_reference(kernel, dtype, block_size, num_kv_heads, group,
+                                                                  head_dim, num_threads):
+    """Decodes, a fresh prefill longer than a tile of query tokens, a prefill chunk after
+    cached context and a one-token chunk, in one call: the reference's answer."""
+    q_lens, seq_lens = [1, 1, 37, 20, 1, 16], [9, 1, 37, 61, 30, 16]
+    query, k_cache, v_cache, meta = prefill_batch(q_lens, seq_lens, block_size, num_kv_heads, group, head_dim, dtype,
+                                                  seed=block_size * head_dim)
     assert kernel.has_paged_attention(query)
     threads = torch.get_num_threads()
     torch.set_num_threads(num_threads)
@@ -143,7 +153,84 @@ def test_one_kernel_attends_decodes_and_prefills_as_the_reference(kernel, dtype,
     torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
     with pytest.raises(RuntimeError, match="too short a context"):
         kernel.paged_attention(query, k_cache, v_cache, meta.block_tables, torch.tensor([9, 1, 30, 61, 30, 16],
-                               dtype=torch.int32), starts, 0.2)
+                               dtype=torch.int32), meta.query_start_loc, 0.2)
+
+
+def attend(kernel, query, k_cache, v_cache, meta, scale, tiles, num_threads=1):
+    """The kernel's attention with the tile path allowed or not (the vector kernel then)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    kernel.set_tile_attention(tiles)
+    try:
+        return kernel.paged_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                      meta.query_start_loc, scale)
+    finally:
+        kernel.set_tile_attention(True)
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("block_size, num_kv_heads, group, head_dim", [
+    (16, 4, 3, 64),   # the benchmark model's attention
+    (5, 2, 2, 128),   # blocks that do not hold a tile of 16 keys, a wide head
+    (32, 1, 4, 32),   # large blocks, one KV head, the narrowest tiled head
+    (8, 2, 1, 96),    # no grouping, a head of three tiles' width
+])
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_tile_attention_of_prefill_chunks_matches_the_reference(kernel, block_size, num_kv_heads, group, head_dim,
+                                                                 num_threads):
+    """Bfloat16 prefill chunks of 16 tokens and more attend on AMX tiles where the CPU
+    has them (the vector kernel elsewhere): fresh prompts of whole and partial tiles, a
+    long one, chunks after cached context of odd and even length, beside decodes and a
+    chunk too short for the tiles. Both kernels give the reference's answer."""
+    q_lens, seq_lens = [1, 16, 17, 300, 33, 1, 5, 40], [9, 16, 17, 300, 70, 1, 12, 201]
+    query, k_cache, v_cache, meta = prefill_batch(q_lens, seq_lens, block_size, num_kv_heads, group, head_dim,
+                                                  torch.bfloat16, seed=head_dim + block_size)
+    want = reference_paged_attention(query, k_cache, v_cache, meta, 0.125).float()
+    tiled = attend(kernel, query, k_cache, v_cache, meta, 0.125, True, num_threads)
+    vector = attend(kernel, query, k_cache, v_cache, meta, 0.125, False, num_threads)
+    assert tiled.dtype == torch.bfloat16 and tiled.shape == query.shape
+    torch.testing.assert_close(tiled.float(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(vector.float(), want, atol=2e-2, rtol=2e-2)
+    # Rows the tiles do not take (decodes and short chunks) are the vector kernel's, bit for bit.
+    short = torch.cat([torch.arange(int(meta.query_start_loc[i]), int(meta.query_start_loc[i + 1]))
+                       for i, n in enumerate(q_lens) if n < 16])
+    assert torch.equal(tiled[short], vector[short])
+    if kernel.tile_products():  # the tiles ran: their rounded weights differ from the vector kernel's somewhere
+        assert not torch.equal(tiled, vector)
+
+
+def test_tile_attention_reads_only_the_sequences_positions(kernel):
+    """Poisoning every slot no sequence owns (NaN keys, infinite values) changes nothing
+    of a step of prefill chunks, an odd context length included."""
+    q_lens, seq_lens = [16, 31, 1, 50], [16, 45, 7, 99]
+    query, k_cache, v_cache, meta = prefill_batch(q_lens, seq_lens, 16, 2, 3, 64, torch.bfloat16, seed=3)
+    clean = attend(kernel, query, k_cache, v_cache, meta, 0.2, True)
+    owned = torch.zeros(k_cache.shape[0], k_cache.shape[1], dtype=torch.bool)
+    for seq, length in enumerate(seq_lens):
+        for position in range(length):
+            owned[meta.block_tables[seq, position // 16], position % 16] = True
+    k_cache[~owned] = float("nan")
+    v_cache[~owned] = float("inf")
+    assert torch.equal(attend(kernel, query, k_cache, v_cache, meta, 0.2, True), clean)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 48])
+def test_bfloat16_rotary_rounds_as_the_torch_ops_with_edge_values(kernel, head_dim):
+    """The vector rotary kernel (bfloat16, heads a multiple of 32; 48 takes the scalar
+    loop) gives the unfused rotation's exact bits, extreme values included."""
+    from cadence.gpu.model import RotaryEmbedding, apply_rotary
+
+    generator = torch.Generator().manual_seed(head_dim)
+    q = (torch.randn(37, 3, head_dim, generator=generator) * 4).bfloat16()
+    edges = torch.tensor([float("nan"), float("inf"), float("-inf"), 3e38, -3e38, 1e-39, 0.0, -0.0])
+    q.view(-1)[: edges.numel()] = edges.bfloat16()
+    cos, sin = RotaryEmbedding(head_dim, 10000.0, None)(torch.arange(1000, 1037), torch.bfloat16)
+    got = q.clone()
+    kernel.rotary(got, cos.reshape(37, -1), sin.reshape(37, -1))
+    want = apply_rotary(q, cos, sin)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
+    assert torch.equal(kernel.rotated(q, cos.reshape(37, -1), sin.reshape(37, -1)).nan_to_num(0.0), want.nan_to_num(0.0))
 
 
 def test_the_kernel_build_is_keyed_by_source_and_cpu(monkeypatch, tmp_path):
