@@ -106,6 +106,17 @@ def keep_freed_memory() -> bool:
     return _kept
 
 
+def release_free_memory() -> bool:
+    """Give the kernel back the free pages malloc holds anywhere in its heaps (glibc's
+    malloc_trim), once the model is built: loading and packing a checkpoint frees
+    copies of the weights in the middle of the heap, where the trim threshold (which
+    looks at a heap's top) never returns them; whether glibc did give some back."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return False
+    return bool(libc.malloc_trim(0))
+
+
 def prefault(slabs: list[torch.Tensor], num_blocks: int) -> int:
     """Fault in blocks [0, num_blocks) of each slab (a layer's keys or values: [blocks,
     ...], contiguous, page-aligned as `zeroed_cpu_tensor` maps them); the bytes faulted

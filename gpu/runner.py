@@ -927,7 +927,9 @@ class ModelRunner:
         """On CPU: keep freed tensors for reuse, and fault in the first `prefault_blocks`
         KV blocks (None: as many as `max_num_seqs` sequences of `max_model_len` hold), at
         most as many bytes as the weights take and `host_memory.PREFAULT_MAX_BYTES`, so
-        that the steps meet neither cost (`cadence.gpu.host_memory`)."""
+        that the steps meet neither cost (`cadence.gpu.host_memory`). First, the
+        memory that building the model freed goes back to the kernel."""
+        host_memory.release_free_memory()
         host_memory.keep_freed_memory()
         block_bytes = self.kv_block_bytes()
         if prefault_blocks is None:

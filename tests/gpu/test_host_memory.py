@@ -80,6 +80,25 @@ def test_freed_tensors_are_reused_without_faults_once_kept():
     assert faults_writing_a_tensor(64 << 20) <= (64 << 20) // PAGE // 20
 
 
+@linux_only
+def test_released_memory_goes_back_to_the_kernel():
+    """Kept freed memory is reused without faults; after `release_free_memory` (the
+    runner calls it once the model is built) the same request faults its pages in
+    afresh: they went back to the kernel."""
+    if not host_memory.keep_freed_memory():
+        pytest.skip("not glibc's malloc, or the user set its thresholds")
+
+    def faults_writing_a_tensor(size: int) -> int:
+        tensor = torch.empty(size, dtype=torch.uint8)
+        return _faults_writing(tensor.data_ptr(), size)
+
+    pages = (48 << 20) // PAGE
+    faults_writing_a_tensor(96 << 20)  # larger: a freed block serves a later one of its own size only just not
+    assert faults_writing_a_tensor(48 << 20) <= pages // 20  # kept
+    assert host_memory.release_free_memory()
+    assert faults_writing_a_tensor(48 << 20) >= pages // 2  # given back
+
+
 def test_the_users_malloc_settings_are_left_alone(monkeypatch):
     calls = []
 
