@@ -854,9 +854,15 @@ inline void store_bfloat16_sums(at::BFloat16* dst, __mmask16 mask, __m512 sum, _
 // 32k-way head), weights streamed from memory: at 8 rows 10.9-12.1 GB/s against oneDNN's
 // prepacked product's 8.8-12.2 and the vector kernel's 9.4-10.0 (the 48 products of the
 // layers 12.9 ms against oneDNN's 15.0), at 32 rows 9.6-10.4 against 8.3-9.9, at one row
-// level with the vector kernel; at 64 rows level with oneDNN (both ~500 GFLOP/s), and
-// at 128 rows oneDNN's blocking is 1.05-1.35x faster and at 512 1.5-1.9x (~1 TFLOP/s at best
-// here against 1.1-1.45).
+// level with the vector kernel; and at 512 rows oneDNN's blocking is 1.5-1.9x faster (~1
+// TFLOP/s at best here against 1.1-1.45). Between them, the 48 products of the layers
+// one after another, each weight cold (600 MB written between sittings), 1 thread: at 48
+// rows 18.3 ms against oneDNN's 22.7, at 64 20.1-21.0 against 22.8-26.7, at 96 25.5
+// against 27.6, at 128 31.9-32.8 against 29.9-31.3; 2 threads at 64 11.1 against 16.1,
+// at 96 13.9 against 18.4, at 128 17.0 against 19.7 (a product measured on its own, its
+// weight in the cache, had put the crossover at 64 rows). The 64-sequence decode
+// step's decoder stack, the runner alone, alternated: 41.1-42.9 ms against 45.4-45.6
+// with a bound of 32 rows (1 thread), 22.1-22.7 against 24.9-25.0 (2 threads).
 // So on AMX a bfloat16 product of at most kAmxKernelRows rows runs here, larger ones on
 // oneDNN's copy (`product_rows`). Below kAmxMinRows rows the vector kernel runs: its
 // rows are all real where a tile multiplies 16, and a whole decode step of the 125M
@@ -865,7 +871,7 @@ inline void store_bfloat16_sums(at::BFloat16* dst, __mmask16 mask, __m512 sum, _
 // against 19.9-20.8 (and 23.7-23.8 on oneDNN, the path before the tiles); one row in
 // bfloat16 on tiles also slowed the demo model's batch-1 decode by ~7%, its weights hot
 // in the cache (compute then counts, and 15 of the tile's 16 rows are padding).
-constexpr int64_t kAmxKernelRows = 32;
+constexpr int64_t kAmxKernelRows = 96;
 constexpr int64_t kAmxMinRows = 8;
 struct TileConfig {
   uint8_t palette_id = 1;

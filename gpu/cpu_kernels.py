@@ -175,7 +175,7 @@ class SmallBatch:
 
     def rows_for(self, dtype: torch.dtype, out_features: int, in_features: int) -> int:
         """The most rows a product of `dtype` and this shape runs here where oneDNN's
-        copy is kept (fewer in bfloat16 where oneDNN has AMX tiles: 32 where these
+        copy is kept (fewer in bfloat16 where oneDNN has AMX tiles: 96 where these
         kernels use the tiles too, else the fewer the larger the product), the same
         bound the decode stack applies."""
         if dtype not in self.dtypes:

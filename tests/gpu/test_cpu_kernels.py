@@ -552,7 +552,7 @@ def test_small_batch_row_bounds_follow_the_cpu(kernel):
     where the CPU has AMX (oneDNN's tiles) a bfloat16 product takes at most 4 rows, or
     more the smaller it is (2^20 multiply-adds a row count), and only there bfloat16
     keeps oneDNN's copy; where the kernels multiply on the tiles themselves, a product
-    whose inputs fill whole tiles (a multiple of 32) takes at least 32 rows."""
+    whose inputs fill whole tiles (a multiple of 32) takes at least 96 rows."""
     small = cpu_kernels.small_batch()
     if small is None:
         pytest.skip("this CPU's kernels have no small-batch product (it needs AVX-512)")
@@ -566,7 +566,7 @@ def test_small_batch_row_bounds_follow_the_cpu(kernel):
         if not amx:
             assert bounds == [128] * 6 and not small.tiles
         elif small.tiles:
-            assert bounds == [32, 32, 32, 32, 128, 10]
+            assert bounds == [96, 96, 96, 96, 128, 10]
         else:
             assert bounds == [4, 4, 10, 32, 128, 10]
         assert (torch.bfloat16 in cpu_linear.LARGE_BATCH_ONEDNN_DTYPES) == amx
