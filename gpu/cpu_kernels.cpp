@@ -37,6 +37,10 @@ namespace {
 inline __m512 widen_bfloat16(__m256i raw) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+// The first min(n, 16) of 16 lanes (n >= 1).
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1u);
+}
 #endif
 
 inline float to_float(float x) { return x; }
@@ -831,7 +835,7 @@ inline bool bfloat16_half(int64_t g, int half, int64_t out_features, const at::B
                           __m512& shift) {
   const int64_t first = g * kSmallColumns + half * 16;
   if (first >= out_features) return false;
-  mask = out_features - first >= 16 ? __mmask16(0xffff) : __mmask16((1u << (out_features - first)) - 1u);
+  mask = first_lanes(out_features - first);
   shift = _mm512_setzero_ps();
   if (bias != nullptr) shift = widen_bfloat16(_mm256_maskz_loadu_epi16(mask, bias + first));
   return true;
@@ -894,6 +898,22 @@ bool amx_permitted() {
 constexpr int64_t kAmxTile = 16;       // rows of an A or sum tile, pairs of a B tile
 constexpr int64_t kAmxTileInputs = 32;  // inputs of an A tile: 64 bytes
 
+// Every kernel here configures all eight tiles alike: 16 rows of 64 bytes. The
+// configuration is a static object: GCC does not see LDTILECFG read the 64 bytes it is
+// given, so the stores that fill a local configuration may be dropped as dead (a
+// function that only built a local one and loaded it kept the palette byte alone).
+void configure_full_tiles() {
+  static const TileConfig config = [] {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) {
+      c.rows[t] = kAmxTile;
+      c.colsb[t] = 64;
+    }
+    return c;
+  }();
+  _tile_loadconfig(&config);
+}
+
 // Groups [first_group, last_group) of the weight against x's `blocks` blocks of 16 rows
 // (x padded to whole blocks; `rows` of them real), one block at a time: two sum tiles
 // (the group's halves, 0-1), A tiles 2-3 and B tiles 4-7 taking pairs of input blocks
@@ -902,12 +922,7 @@ constexpr int64_t kAmxTileInputs = 32;  // inputs of an A tile: 64 bytes
 void amx_product_groups(const at::BFloat16* x, int64_t blocks, int64_t rows, int64_t inputs,
                         const at::BFloat16* weight, const at::BFloat16* bias, at::BFloat16* y,
                         int64_t out_features, int64_t first_group, int64_t last_group) {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = kAmxTile;
-    config.colsb[t] = 64;
-  }
-  _tile_loadconfig(&config);
+  configure_full_tiles();
   alignas(64) float sums[kAmxTile][kSmallColumns];
   const int64_t group_elements = inputs * kSmallColumns, a_stride = inputs * 2;
   const int64_t b_stride = 2 * kSmallColumns * 2, k_blocks = inputs / kAmxTileInputs;
@@ -1048,8 +1063,7 @@ void small_product_rows(const float* x, int64_t x_stride, const float* weight, c
     for (int half = 0; half < 2; ++half) {
       const int64_t first = g * kSmallColumns + half * 16;
       if (first >= out_features) break;
-      const __mmask16 mask = out_features - first >= 16 ? __mmask16(0xffff)
-                                                        : __mmask16((1u << (out_features - first)) - 1u);
+      const __mmask16 mask = first_lanes(out_features - first);
       const __m512 shift = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + first) : _mm512_setzero_ps();
       for (int m = 0; m < kM; ++m) _mm512_mask_storeu_ps(y + m * y_stride + first, mask, _mm512_add_ps(sums[m][half], shift));
     }
@@ -1222,7 +1236,7 @@ inline __m512 exp_lanes(__m512 x) {
 
 void silu_mul_row(const at::BFloat16* gate, const at::BFloat16* up, at::BFloat16* out, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 mask = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1u);
+    const __mmask16 mask = first_lanes(n - i);
     const __m512 g = widen_bfloat16(_mm256_maskz_loadu_epi16(mask, gate + i));
     const __m512 u = widen_bfloat16(_mm256_maskz_loadu_epi16(mask, up + i));
     // sigmoid(g) from exp(-|g|) in (0, 1], which never overflows: 1 / (1 + e) for g >= 0,
@@ -1338,6 +1352,7 @@ void amx_attention_task(const DecodeLayout<at::BFloat16>& shape, const int32_t* 
   s.query.resize(16 * dims);
   s.sums.resize(16 * dims);
   float inverse[16];
+  const __m512 vscale = _mm512_set1_ps(scale);
   const int64_t group_bytes = shape.group * dims * 2;
   auto prefetch_queries = [&](int64_t t0) {
     for (int64_t m = t0, e = std::min(q_len, t0 + 16); m < e; ++m) {
@@ -1379,14 +1394,13 @@ void amx_attention_task(const DecodeLayout<at::BFloat16>& shape, const int32_t* 
         }
         _tile_stored(0, s.scores.data() + 16 * b, width * 4);
       }
-      const __m512 vscale = _mm512_set1_ps(scale);
       for (int64_t m = 0; m < 16; ++m) {
         const int64_t limit = m < rows ? first_position + t0 + m + 1 : 1;
         float* sc = s.scores.data() + m * width;
         bf16* w = s.weights.data() + m * width;
         __m512 peak = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
         for (int64_t p = 0; p < limit; p += 16) {
-          const __mmask16 mask = limit - p >= 16 ? __mmask16(0xffff) : __mmask16((1u << (limit - p)) - 1u);
+          const __mmask16 mask = first_lanes(limit - p);
           const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, sc + p), vscale);
           _mm512_mask_storeu_ps(sc + p, mask, x);
           peak = _mm512_mask_max_ps(peak, mask, peak, x);
@@ -1395,7 +1409,7 @@ void amx_attention_task(const DecodeLayout<at::BFloat16>& shape, const int32_t* 
         __m512 total = _mm512_setzero_ps();
         int64_t p = 0;
         for (; p < limit; p += 16) {
-          const __mmask16 mask = limit - p >= 16 ? __mmask16(0xffff) : __mmask16((1u << (limit - p)) - 1u);
+          const __mmask16 mask = first_lanes(limit - p);
           const __m512 e = _mm512_maskz_mov_ps(mask, exp_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sc + p), top)));
           total = _mm512_add_ps(total, e);
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + p), (__m256i)_mm512_cvtneps_pbh(e));
@@ -1457,12 +1471,7 @@ void amx_attention(const torch::Tensor& query, const torch::Tensor& k_cache, con
   const DecodeLayout<at::BFloat16> shape(query, k_cache, v_cache, block_tables, seq_lens, out);
   const int64_t heads = shape.num_kv_heads;
   at::parallel_for(0, static_cast<int64_t>(seqs.size()) * heads, 1, [&](int64_t begin, int64_t end) {
-    TileConfig config;
-    for (int t = 0; t < 8; ++t) {
-      config.rows[t] = kAmxTile;
-      config.colsb[t] = 64;
-    }
-    _tile_loadconfig(&config);
+    configure_full_tiles();
     thread_local AmxAttentionScratch scratch;
     for (int64_t task = begin; task < end; ++task) {
       amx_attention_task(shape, starts, seqs[task / heads], task % heads, static_cast<float>(scale), out.stride(0),
