@@ -172,7 +172,8 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, 
 // against every query row of the task, sixteen positions' sums reduced together (the
 // products of bfloat16 values are exact in float32, so only the order of the sums
 // differs from the portable kernel), and the values are accumulated in float32
-// registers, up to eight query rows at a time.
+// registers, up to eight query rows at a time (bfloat16 values with the weights rounded
+// to bfloat16, two positions a dot product: `accumulate_pairs`).
 constexpr int64_t kTile = 16;
 // Tiles a task's prefetches run ahead of its work.
 constexpr int64_t kAhead = 2;
@@ -258,6 +259,52 @@ inline void accumulate(const scalar_t* cache, const int64_t* slots, int64_t head
   }
 }
 
+#ifdef __AVX512BF16__
+// The same sums for bfloat16 values with the weights rounded to bfloat16 (`weights`, a
+// row every `stride` >= end + 1 values, zero past the row's positions): two positions
+// at a time, their values interleaved dimension by dimension into pairs, each pair
+// multiplied by the two weights in one AVX512_BF16 dot product: half the multiplies of
+// `accumulate` and no widening of the values. 1 thread, Zen 4, 64 sequences x 192
+// positions of the 125M benchmark model: 0.73 -> 0.55-0.58 ms a layer with the cache
+// hot; with 12 layers' caches read from memory the step stays at 10.4-10.7 ms (14 GB/s,
+// the reads decide it there). The weights' rounding is the tiled prefill's (below).
+template <int kVecs, int kRows>
+inline void accumulate_pairs(const at::BFloat16* cache, const int64_t* slots, int64_t head_offset, int64_t begin,
+                             int64_t end, const at::BFloat16* weights, int64_t stride, float* sums) {
+  static_assert(kVecs % 2 == 0, "whole vectors of 32 bfloat16 values");
+  __m512 total[kRows][kVecs];
+  for (int r = 0; r < kRows; ++r) {
+    for (int c = 0; c < kVecs; ++c) total[r][c] = _mm512_loadu_ps(sums + r * 16 * kVecs + 16 * c);
+  }
+  // Words 2i and 2i + 1 of the result: dimension i (low) or 16 + i (high) of the first
+  // position's 32 and of the second's.
+  const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                       39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i high = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24,
+                                        55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
+  for (int64_t p = begin; p < end; p += 2) {
+    const at::BFloat16* first = cache + slots[p] + head_offset;
+    const at::BFloat16* second = p + 1 < end ? cache + slots[p + 1] + head_offset : nullptr;
+    __m512bh pairs[kVecs];
+    for (int c = 0; c < kVecs / 2; ++c) {
+      const __m512i a = _mm512_loadu_si512(first + 32 * c);
+      const __m512i b = second != nullptr ? _mm512_loadu_si512(second + 32 * c) : _mm512_setzero_si512();
+      pairs[2 * c] = (__m512bh)_mm512_permutex2var_epi16(a, low, b);
+      pairs[2 * c + 1] = (__m512bh)_mm512_permutex2var_epi16(a, high, b);
+    }
+    for (int r = 0; r < kRows; ++r) {
+      uint32_t both;
+      std::memcpy(&both, weights + r * stride + p, sizeof(both));
+      const __m512bh weight = (__m512bh)_mm512_set1_epi32(static_cast<int>(both));
+      for (int c = 0; c < kVecs; ++c) total[r][c] = _mm512_dpbf16_ps(total[r][c], weight, pairs[c]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    for (int c = 0; c < kVecs; ++c) _mm512_storeu_ps(sums + r * 16 * kVecs + 16 * c, total[r][c]);
+  }
+}
+#endif
+
 // What one task of `attention_avx512` covers: a sequence, its KV heads [first_kv,
 // first_kv + num_heads), and its query tokens [first_token, first_token + num_tokens)
 // (indices within the sequence's query).
@@ -279,6 +326,11 @@ void attention_avx512(const torch::Tensor& query, const torch::Tensor& k_cache, 
                       const torch::Tensor& query_start, double scale, torch::Tensor& out, const uint8_t* skip) {
   using L = Lanes<scalar_t, kVecs>;
   constexpr int kQuery = L::kQuery;
+#ifdef __AVX512BF16__
+  constexpr bool kPairs = std::is_same_v<scalar_t, at::BFloat16> && kVecs % 2 == 0;
+#else
+  constexpr bool kPairs = false;
+#endif
   constexpr int kRows = kVecs >= 16 ? 1 : std::min(8, 16 / kVecs);
   const DecodeLayout<scalar_t> shape(query, k_cache, v_cache, block_tables, seq_lens, out);
   const int64_t num_seqs = seq_lens.size(0), group = shape.group, head_dim = shape.head_dim;
@@ -303,6 +355,7 @@ void attention_avx512(const torch::Tensor& query, const torch::Tensor& k_cache, 
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<typename L::Query> q;
     std::vector<float> acc, scores;
+    std::vector<at::BFloat16> rounded;
     std::vector<int64_t> slots, limits;
     for (int64_t index = begin; index < end; ++index) {
       const AttentionTask& task = tasks[index];
@@ -383,6 +436,21 @@ void attention_avx512(const torch::Tensor& query, const torch::Tensor& k_cache, 
       }
       // Each row's softmax over the positions it sees; the rest weigh nothing.
       for (int64_t r = 0; r < rows; ++r) softmax_row(scores.data() + r * len, limits[r], len);
+      // Bfloat16 values take the weights rounded to bfloat16, a row every `pair_stride`
+      // (an even count, a zero past the last position).
+      const int64_t pair_stride = (len + 2) / 2 * 2;
+      if constexpr (kPairs) {
+        rounded.resize(rows * pair_stride);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* row = scores.data() + r * len;
+          at::BFloat16* out_row = rounded.data() + r * pair_stride;
+          for (int64_t p = 0; p < pair_stride; p += 16) {
+            const __mmask16 mask = first_lanes(len - p);
+            const __m512 x = p < len ? _mm512_maskz_loadu_ps(mask, row + p) : _mm512_setzero_ps();
+            _mm256_mask_storeu_epi16(out_row + p, first_lanes(pair_stride - p), (__m256i)_mm512_cvtneps_pbh(x));
+          }
+        }
+      }
       // This task's values are on their way; start the next task's first tiles, so that
       // it does not begin by waiting for memory.
       if (index + 1 < end) {
@@ -419,6 +487,22 @@ void attention_avx512(const torch::Tensor& query, const torch::Tensor& k_cache, 
             const float* weights = scores.data() + r0 * len;
             float* sums = acc.data() + r0 * head_dim;
             const int64_t offset = h * shape.kv_stride_head;
+#ifdef __AVX512BF16__
+            if constexpr (kPairs) {
+              const at::BFloat16* w = rounded.data() + r0 * pair_stride;
+              switch (std::min<int64_t>(kRows, (h + 1) * head_rows - r0)) {
+                case 1: accumulate_pairs<kVecs, 1>(shape.v_ptr, slots.data(), offset, first, last, w, pair_stride, sums); break;
+                case 2: accumulate_pairs<kVecs, 2>(shape.v_ptr, slots.data(), offset, first, last, w, pair_stride, sums); break;
+                case 3: accumulate_pairs<kVecs, 3>(shape.v_ptr, slots.data(), offset, first, last, w, pair_stride, sums); break;
+                case 4: accumulate_pairs<kVecs, 4>(shape.v_ptr, slots.data(), offset, first, last, w, pair_stride, sums); break;
+                case 5: accumulate_pairs<kVecs, 5>(shape.v_ptr, slots.data(), offset, first, last, w, pair_stride, sums); break;
+                case 6: accumulate_pairs<kVecs, 6>(shape.v_ptr, slots.data(), offset, first, last, w, pair_stride, sums); break;
+                case 7: accumulate_pairs<kVecs, 7>(shape.v_ptr, slots.data(), offset, first, last, w, pair_stride, sums); break;
+                default: accumulate_pairs<kVecs, 8>(shape.v_ptr, slots.data(), offset, first, last, w, pair_stride, sums); break;
+              }
+              continue;
+            }
+#endif
             switch (std::min<int64_t>(kRows, (h + 1) * head_rows - r0)) {
               case 1: accumulate<scalar_t, kVecs, 1>(shape.v_ptr, slots.data(), offset, first, last, weights, len, sums); break;
               case 2: accumulate<scalar_t, kVecs, 2>(shape.v_ptr, slots.data(), offset, first, last, weights, len, sums); break;
@@ -1275,62 +1359,222 @@ torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) {
   return at::silu(gate).mul_(up);
 }
 
-// ---- prefill attention on AMX tiles ---------------------------------------------------
+// ---- prefill attention in tiles of 16 query tokens ------------------------------------
 //
 // The vector kernel scores a prefill one query row against one key at a time (a dot
 // product summed across lanes): ~13 cycles a query head and key whatever the chunk's
 // length: 42 ms a layer for 64 prompts of 128 tokens on the 125M benchmark model (1
 // thread, Xeon with AMX) and 28 ms for one prompt of 1,024, more than SDPA's 18 and 7.7
-// and most of a prefill's time outside its products. With AMX, a bfloat16 prefill chunk
-// of at least kAmxQueryRows tokens is attended on the tiles instead (15 and 5.6-6.7 ms
-// there; the 8,192-token prefill of 64 prompts 2.03 -> 1.64 s with the same products):
-// for each sequence and KV head, its keys are copied once
-// into B tiles (16 keys x 16 pairs of head dimensions, the pairs' order TDPBF16PS wants)
-// and its values likewise (16 pairs of positions x 16 dimensions); then for each query
-// head of the group and tile of 16 query tokens, every score of the rows against the
-// keys they see is one tile product per 16 keys and 32 dimensions, the softmax of each
-// row over its whole context runs in float32 vectors, and the weights, rounded to
-// bfloat16 (as a fused attention kernel on a GPU takes them), multiply the values on
-// the tiles, summed in float32. So a row's result differs from the vector kernel's by the
-// weights' rounding (and the order of the sums). Greedy bfloat16 output of the 125M
-// benchmark model against float32 transformers: 0.738 of tokens agree (0.759 with the
-// vector kernel); with each weight split in two bfloat16 numbers (~16 bits of it, twice the
-// value products) 0.728, and 40% slower at 1,024 tokens: the model's near ties decide
-// such figures, not the weights' rounding, so the weights go in once.
-#ifdef CADENCE_AMX
-constexpr int64_t kAmxQueryRows = 16;
-// Process-wide switch (tests and benchmarks compare the two kernels).
-bool amx_attention_enabled = true;
+// and most of a prefill's time outside its products. So a bfloat16 prefill chunk of at
+// least kTileQueryRows tokens is attended in tiles of 16 query tokens instead: for each
+// sequence and KV head, its keys are copied once into blocks of 16 keys x 16 pairs of
+// head dimensions (a pair of one key's dimensions a 32-bit word, 16 keys side by side:
+// the B tile TDPBF16PS wants) and its values likewise (16 pairs of positions x 16
+// dimensions); then for each query head of the group and tile of 16 query tokens, the
+// scores of the rows against the keys they see are products of the tile's query rows
+// with those blocks, the softmax of each row over its whole context runs in float32
+// vectors, and the weights, rounded to bfloat16 (as a fused attention kernel on a GPU
+// takes them), multiply the values' blocks, summed in float32. So a row's result differs
+// from the vector kernel's by the weights' rounding (and the order of the sums).
+//
+// The products run on AMX tiles where the CPU has them (`AmxProducts`: 15 and 5.6-6.7 ms
+// there; the 8,192-token prefill of 64 prompts 2.03 -> 1.64 s with the same products),
+// else in AVX512_BF16 vectors (`VectorProducts`): each block row is one vector of 16
+// keys' (or dimensions') pairs, multiplied against a pair of each of the 16 query rows
+// (or of their weights) broadcast, 16 sums in registers; the query rows and the weights
+// are laid out pair-major for it ([pair][16 rows]), so every broadcast is a 32-bit load
+// at a fixed offset; the keys and the query rows are transposed into that order 16 x 16
+// words at a time in registers. On a 2-core Zen 4 VM (no AMX), 1 thread, the 125M
+// benchmark model's heads: 64 prompts of 128 tokens 31.6 -> 20.1-23.7 ms a layer, one
+// prompt of 1,024 24.0 -> 11.4-12.3 ms (the products at ~1 dot product a cycle; the rest
+// is the softmax and the copies).
+//
+// Greedy bfloat16 agreement of the 125M benchmark model with float32 transformers: 0.738
+// of tokens on the tiles (0.759 with the vector kernel); with each weight split in two
+// bfloat16 numbers (~16 bits of it, twice the value products) 0.728, and 40% slower at
+// 1,024 tokens: the model's near ties decide such figures, not the weights' rounding, so
+// the weights go in once.
+#ifdef __AVX512BF16__
+constexpr int64_t kTileQueryRows = 16;
+// Process-wide switch (tests and benchmarks compare the kernels).
+bool tile_attention_enabled = true;
 
-struct AmxAttentionScratch {
+// words[i][j] <-> words[j][i]: a 16 x 16 matrix of 32-bit words transposed in registers.
+inline void transpose_words(__m512i* words) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(words[i], words[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(words[i], words[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    words[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    words[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    words[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    words[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // Each 128-bit lane now holds a 4 x 4 block in place; move the blocks.
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(words[i], words[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(words[i], words[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(words[i + 8], words[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(words[i + 8], words[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    words[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    words[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    words[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    words[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+
+struct TileAttentionScratch {
   std::vector<uint32_t> keys;   // [key blocks of 16][dims / 32][16 dim pairs][16 keys]
   std::vector<uint32_t> values; // [position blocks of 32][dims / 16][16 position pairs][16 dims]
   std::vector<float> scores;    // [16 rows][width]
-  std::vector<at::BFloat16> weights, query;  // [16 rows][width]; [16 rows][dims]
+  std::vector<at::BFloat16> weights, query;  // [16 rows][width]; [16 rows][dims] (pair-major for the vectors)
   std::vector<float> sums;      // [16 rows][dims]
 };
 
+#ifdef CADENCE_AMX
+// The tile's products on AMX tiles: query rows and weights row-major, as A tiles.
+struct AmxProducts {
+  static constexpr bool kPairMajor = false;
+  static void begin() { configure_full_tiles(); }
+  static void end() { _tile_release(); }
+  // scores[m][16b + i] = query row m . key 16b + i, for key blocks [0, blocks).
+  static void scores(const at::BFloat16* q_rows, int64_t q_stride, const uint32_t* keys, int64_t blocks,
+                     int64_t k_chunks, float* scores, int64_t width) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      _tile_zero(0);
+      for (int64_t c = 0; c < k_chunks; ++c) {
+        _tile_loadd(1, q_rows + 32 * c, q_stride);
+        _tile_loadd(2, keys + (b * k_chunks + c) * 256, 64);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, scores + 16 * b, width * 4);
+    }
+  }
+  // sums[m][d] = the sum over positions [0, 32 x position_blocks) of weights[m][p] x value p's d.
+  static void values(const at::BFloat16* weights, int64_t width, const uint32_t* values, int64_t position_blocks,
+                     int64_t v_chunks, float* sums, int64_t dims) {
+    // Four tiles of 16 dimensions at a time (tiles 0-3), the weights' 32 positions in
+    // tile 4, the values' in 5-7 in turn.
+    int64_t c = 0;
+    for (; c + 4 <= v_chunks; c += 4) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t b = 0; b < position_blocks; ++b) {
+        const uint32_t* v = values + (b * v_chunks + c) * 256;
+        _tile_loadd(4, weights + 32 * b, width * 2);
+        _tile_loadd(5, v, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, v + 256, 64);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(7, v + 512, 64);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, v + 768, 64);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+      _tile_stored(0, sums + 16 * c, dims * 4);
+      _tile_stored(1, sums + 16 * (c + 1), dims * 4);
+      _tile_stored(2, sums + 16 * (c + 2), dims * 4);
+      _tile_stored(3, sums + 16 * (c + 3), dims * 4);
+    }
+    for (; c < v_chunks; ++c) {
+      _tile_zero(0);
+      for (int64_t b = 0; b < position_blocks; ++b) {
+        _tile_loadd(4, weights + 32 * b, width * 2);
+        _tile_loadd(5, values + (b * v_chunks + c) * 256, 64);
+        _tile_dpbf16ps(0, 4, 5);
+      }
+      _tile_stored(0, sums + 16 * c, dims * 4);
+    }
+  }
+};
+#endif
+
+// The tile's products in AVX512_BF16 vectors: query rows and weights pair-major
+// ([pair][16 rows], 32-bit words), each pair broadcast against a block row.
+struct VectorProducts {
+  static constexpr bool kPairMajor = true;
+  static void begin() {}
+  static void end() {}
+  static void scores(const uint32_t* query_pairs, const uint32_t* keys, int64_t blocks, int64_t k_chunks,
+                     float* scores, int64_t width) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m512 sum[16];
+      for (int m = 0; m < 16; ++m) sum[m] = _mm512_setzero_ps();
+      const uint32_t* block = keys + b * k_chunks * 256;
+      for (int64_t p = 0; p < k_chunks * 16; ++p) {  // dimension pair p: one row of the block
+        const __m512bh key_pairs = (__m512bh)_mm512_loadu_si512(block + p * 16);
+        const uint32_t* q = query_pairs + p * 16;
+        for (int m = 0; m < 16; ++m) sum[m] = _mm512_dpbf16_ps(sum[m], (__m512bh)_mm512_set1_epi32(q[m]), key_pairs);
+      }
+      for (int m = 0; m < 16; ++m) _mm512_storeu_ps(scores + m * width + 16 * b, sum[m]);
+    }
+  }
+  static void values(const uint32_t* weight_pairs, const uint32_t* values, int64_t position_blocks,
+                     int64_t v_chunks, float* sums, int64_t dims) {
+    for (int64_t c = 0; c < v_chunks; ++c) {
+      __m512 sum[16];
+      for (int m = 0; m < 16; ++m) sum[m] = _mm512_setzero_ps();
+      for (int64_t b = 0; b < position_blocks; ++b) {
+        const uint32_t* block = values + (b * v_chunks + c) * 256;
+        const uint32_t* w = weight_pairs + b * 256;  // position pairs 16b .. 16b + 15
+        for (int64_t j = 0; j < 16; ++j) {
+          const __m512bh value_pairs = (__m512bh)_mm512_loadu_si512(block + j * 16);
+          for (int m = 0; m < 16; ++m) {
+            sum[m] = _mm512_dpbf16_ps(sum[m], (__m512bh)_mm512_set1_epi32(w[j * 16 + m]), value_pairs);
+          }
+        }
+      }
+      for (int m = 0; m < 16; ++m) _mm512_storeu_ps(sums + m * dims + 16 * c, sum[m]);
+    }
+  }
+};
+
 // Attention of sequence `seq`'s query tokens for KV head `kv` and its group of query heads.
-void amx_attention_task(const DecodeLayout<at::BFloat16>& shape, const int32_t* starts, int64_t seq, int64_t kv,
-                        float scale, int64_t out_stride_seq, int64_t out_stride_head, AmxAttentionScratch& s) {
+template <typename Products>
+void tile_attention_task(const DecodeLayout<at::BFloat16>& shape, const int32_t* starts, int64_t seq, int64_t kv,
+                         float scale, int64_t out_stride_seq, int64_t out_stride_head, TileAttentionScratch& s) {
   using bf16 = at::BFloat16;
   const int64_t dims = shape.head_dim, len = shape.lens[seq];
   const int64_t q_first = starts[seq], q_len = starts[seq + 1] - q_first, first_position = len - q_len;
   const int64_t key_blocks = (len + 15) / 16, width = (len + 31) / 32 * 32;
-  const int64_t pairs = dims / 2, k_chunks = dims / 32, v_chunks = dims / 16;
+  const int64_t k_chunks = dims / 32, v_chunks = dims / 16;
   const int32_t* table = shape.tables + seq * shape.table_width;
   auto row_at = [&](const bf16* cache, int64_t pos) {
     return cache + static_cast<int64_t>(table[pos / shape.block_size]) * shape.kv_stride_block +
            (pos % shape.block_size) * shape.kv_stride_slot + kv * shape.kv_stride_head;
   };
-  // Keys: B tile (b, c) row r holds the pair of dimensions (32c + 2r, 32c + 2r + 1) of keys 16b..16b+15.
-  s.keys.assign(key_blocks * k_chunks * 256, 0u);
-  for (int64_t pos = 0; pos < len; ++pos) {
-    const auto* key = reinterpret_cast<const uint32_t*>(row_at(shape.k_ptr, pos));
-    uint32_t* block = s.keys.data() + (pos / 16) * k_chunks * 256 + pos % 16;
-    for (int64_t p = 0; p < pairs; ++p) block[(p / 16) * 256 + (p % 16) * 16] = key[p];
+  // Keys: block (b, c) row r holds the pair of dimensions (32c + 2r, 32c + 2r + 1) of keys
+  // 16b..16b+15 (zeros past the last key). The rows are read a block ahead of their
+  // transposition, so the reads do not wait on memory one after another.
+  s.keys.resize(key_blocks * k_chunks * 256);
+  auto prefetch_rows = [&](const bf16* cache, int64_t first, int64_t count) {
+    for (int64_t pos = first, e = std::min(len, first + count); pos < e; ++pos) {
+      const char* row = reinterpret_cast<const char*>(row_at(cache, pos));
+      for (int64_t offset = 0; offset < dims * 2; offset += kCacheLine) __builtin_prefetch(row + offset);
+    }
+  };
+  prefetch_rows(shape.k_ptr, 0, 16);
+  for (int64_t b = 0; b < key_blocks; ++b) {
+    prefetch_rows(shape.k_ptr, 16 * (b + 1), 16);
+    prefetch_rows(shape.v_ptr, 16 * b, 16);
+    const uint32_t* rows[16];
+    const int64_t count = std::min<int64_t>(16, len - 16 * b);
+    for (int64_t i = 0; i < count; ++i) rows[i] = reinterpret_cast<const uint32_t*>(row_at(shape.k_ptr, 16 * b + i));
+    for (int64_t c = 0; c < k_chunks; ++c) {
+      __m512i words[16];
+      for (int64_t i = 0; i < 16; ++i) words[i] = i < count ? _mm512_loadu_si512(rows[i] + 16 * c) : _mm512_setzero_si512();
+      transpose_words(words);
+      uint32_t* block = s.keys.data() + (b * k_chunks + c) * 256;
+      for (int64_t r = 0; r < 16; ++r) _mm512_storeu_si512(block + 16 * r, words[r]);
+    }
   }
-  // Values: B tile (b, c) row j holds positions 32b + 2j and 32b + 2j + 1 of dimensions
+  // Values: block (b, c) row j holds positions 32b + 2j and 32b + 2j + 1 of dimensions
   // 16c..16c+15, interleaved (one position's dimension, the other's, the next dimension...).
   s.values.assign(width / 32 * v_chunks * 256, 0u);
   const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
@@ -1351,6 +1595,8 @@ void amx_attention_task(const DecodeLayout<at::BFloat16>& shape, const int32_t* 
   s.weights.resize(16 * width);
   s.query.resize(16 * dims);
   s.sums.resize(16 * dims);
+  auto* query_pairs = reinterpret_cast<uint32_t*>(s.query.data());
+  auto* weight_pairs = reinterpret_cast<uint32_t*>(s.weights.data());
   float inverse[16];
   const __m512 vscale = _mm512_set1_ps(scale);
   const int64_t group_bytes = shape.group * dims * 2;
@@ -1367,37 +1613,42 @@ void amx_attention_task(const DecodeLayout<at::BFloat16>& shape, const int32_t* 
     const int64_t rows = std::min<int64_t>(16, q_len - t0);
     for (int64_t g = 0; g < shape.group; ++g) {
       const int64_t head = kv * shape.group + g;
-      // The tile's query rows: read in place when there are 16 (a row every q_stride_seq),
-      // else from a copy padded with zeros.
       const bf16* q_rows = shape.q_ptr + (q_first + t0) * shape.q_stride_seq + head * shape.q_stride_head;
-      int64_t q_stride = shape.q_stride_seq * 2;
-      if (rows < 16 || shape.q_stride_head != dims) {
-        for (int64_t m = 0; m < 16; ++m) {
-          bf16* dst = s.query.data() + m * dims;
-          if (m < rows) {
-            std::memcpy(dst, q_rows + m * shape.q_stride_seq, dims * 2);
-          } else {
-            std::memset(dst, 0, dims * 2);
-          }
-        }
-        q_rows = s.query.data();
-        q_stride = dims * 2;
-      }
       // Row m sees positions [0, first_position + t0 + m]; the tile's keys end at `seen`.
       const int64_t seen = first_position + t0 + rows, blocks = (seen + 15) / 16, seen_width = (seen + 31) / 32 * 32;
-      for (int64_t b = 0; b < blocks; ++b) {
-        _tile_zero(0);
+      if constexpr (Products::kPairMajor) {
+        // The tile's query rows pair-major, rows past the chunk's end zero.
         for (int64_t c = 0; c < k_chunks; ++c) {
-          _tile_loadd(1, q_rows + 32 * c, q_stride);
-          _tile_loadd(2, s.keys.data() + (b * k_chunks + c) * 256, 64);
-          _tile_dpbf16ps(0, 1, 2);
+          __m512i words[16];
+          for (int64_t m = 0; m < 16; ++m) {
+            words[m] = m < rows ? _mm512_loadu_si512(q_rows + m * shape.q_stride_seq + 32 * c) : _mm512_setzero_si512();
+          }
+          transpose_words(words);
+          for (int64_t r = 0; r < 16; ++r) _mm512_storeu_si512(query_pairs + (16 * c + r) * 16, words[r]);
         }
-        _tile_stored(0, s.scores.data() + 16 * b, width * 4);
+        Products::scores(query_pairs, s.keys.data(), blocks, k_chunks, s.scores.data(), width);
+      } else {
+        // The tile's query rows: read in place when there are 16 (a row every q_stride_seq),
+        // else from a copy padded with zeros.
+        int64_t q_stride = shape.q_stride_seq * 2;
+        if (rows < 16 || shape.q_stride_head != dims) {
+          for (int64_t m = 0; m < 16; ++m) {
+            bf16* dst = s.query.data() + m * dims;
+            if (m < rows) {
+              std::memcpy(dst, q_rows + m * shape.q_stride_seq, dims * 2);
+            } else {
+              std::memset(dst, 0, dims * 2);
+            }
+          }
+          q_rows = s.query.data();
+          q_stride = dims * 2;
+        }
+        Products::scores(q_rows, q_stride, s.keys.data(), blocks, k_chunks, s.scores.data(), width);
       }
+      // Each row's softmax; its weights, rounded to bfloat16, zero past what it sees.
       for (int64_t m = 0; m < 16; ++m) {
         const int64_t limit = m < rows ? first_position + t0 + m + 1 : 1;
         float* sc = s.scores.data() + m * width;
-        bf16* w = s.weights.data() + m * width;
         __m512 peak = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
         for (int64_t p = 0; p < limit; p += 16) {
           const __mmask16 mask = first_lanes(limit - p);
@@ -1407,50 +1658,28 @@ void amx_attention_task(const DecodeLayout<at::BFloat16>& shape, const int32_t* 
         }
         const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(peak));
         __m512 total = _mm512_setzero_ps();
-        int64_t p = 0;
-        for (; p < limit; p += 16) {
-          const __mmask16 mask = first_lanes(limit - p);
-          const __m512 e = _mm512_maskz_mov_ps(mask, exp_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sc + p), top)));
-          total = _mm512_add_ps(total, e);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + p), (__m256i)_mm512_cvtneps_pbh(e));
+        for (int64_t p = 0; p < seen_width; p += 16) {
+          __m256i w = _mm256_setzero_si256();
+          if (p < limit) {
+            const __mmask16 mask = first_lanes(limit - p);
+            const __m512 e = _mm512_maskz_mov_ps(mask, exp_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sc + p), top)));
+            total = _mm512_add_ps(total, e);
+            w = (__m256i)_mm512_cvtneps_pbh(e);
+          }
+          if constexpr (Products::kPairMajor) {
+            alignas(32) uint32_t words[8];
+            _mm256_store_si256(reinterpret_cast<__m256i*>(words), w);
+            for (int64_t i = 0; i < 8; ++i) weight_pairs[(p / 2 + i) * 16 + m] = words[i];
+          } else {
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.weights.data() + m * width + p), w);
+          }
         }
-        for (; p < seen_width; p += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + p), _mm256_setzero_si256());
         inverse[m] = 1.0f / _mm512_reduce_add_ps(total);
       }
-      // Weights times values: four tiles of 16 dimensions at a time (tiles 0-3), the
-      // weights' 32 positions in tile 4, the values' in 5-7 in turn.
-      const int64_t position_blocks = seen_width / 32;
-      int64_t c = 0;
-      for (; c + 4 <= v_chunks; c += 4) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t b = 0; b < position_blocks; ++b) {
-          const uint32_t* v = s.values.data() + (b * v_chunks + c) * 256;
-          _tile_loadd(4, s.weights.data() + 32 * b, width * 2);
-          _tile_loadd(5, v, 64);
-          _tile_dpbf16ps(0, 4, 5);
-          _tile_loadd(6, v + 256, 64);
-          _tile_dpbf16ps(1, 4, 6);
-          _tile_loadd(7, v + 512, 64);
-          _tile_dpbf16ps(2, 4, 7);
-          _tile_loadd(5, v + 768, 64);
-          _tile_dpbf16ps(3, 4, 5);
-        }
-        _tile_stored(0, s.sums.data() + 16 * c, dims * 4);
-        _tile_stored(1, s.sums.data() + 16 * (c + 1), dims * 4);
-        _tile_stored(2, s.sums.data() + 16 * (c + 2), dims * 4);
-        _tile_stored(3, s.sums.data() + 16 * (c + 3), dims * 4);
-      }
-      for (; c < v_chunks; ++c) {
-        _tile_zero(0);
-        for (int64_t b = 0; b < position_blocks; ++b) {
-          _tile_loadd(4, s.weights.data() + 32 * b, width * 2);
-          _tile_loadd(5, s.values.data() + (b * v_chunks + c) * 256, 64);
-          _tile_dpbf16ps(0, 4, 5);
-        }
-        _tile_stored(0, s.sums.data() + 16 * c, dims * 4);
+      if constexpr (Products::kPairMajor) {
+        Products::values(weight_pairs, s.values.data(), seen_width / 32, v_chunks, s.sums.data(), dims);
+      } else {
+        Products::values(s.weights.data(), width, s.values.data(), seen_width / 32, v_chunks, s.sums.data(), dims);
       }
       for (int64_t m = 0; m < rows; ++m) {
         bf16* o = shape.out_ptr + (q_first + t0 + m) * out_stride_seq + head * out_stride_head;
@@ -1464,21 +1693,43 @@ void amx_attention_task(const DecodeLayout<at::BFloat16>& shape, const int32_t* 
   }
 }
 
-// The sequences of at least kAmxQueryRows query tokens, every KV head a task.
-void amx_attention(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                   const torch::Tensor& block_tables, const torch::Tensor& seq_lens, const int32_t* starts,
-                   const std::vector<int64_t>& seqs, double scale, torch::Tensor& out) {
-  const DecodeLayout<at::BFloat16> shape(query, k_cache, v_cache, block_tables, seq_lens, out);
+template <typename Products>
+void tile_attention_with(const DecodeLayout<at::BFloat16>& shape, const int32_t* starts,
+                         const std::vector<int64_t>& seqs, double scale, const torch::Tensor& out) {
   const int64_t heads = shape.num_kv_heads;
   at::parallel_for(0, static_cast<int64_t>(seqs.size()) * heads, 1, [&](int64_t begin, int64_t end) {
-    configure_full_tiles();
-    thread_local AmxAttentionScratch scratch;
+    Products::begin();
+    thread_local TileAttentionScratch scratch;
     for (int64_t task = begin; task < end; ++task) {
-      amx_attention_task(shape, starts, seqs[task / heads], task % heads, static_cast<float>(scale), out.stride(0),
-                         out.stride(1), scratch);
+      tile_attention_task<Products>(shape, starts, seqs[task / heads], task % heads, static_cast<float>(scale),
+                                    out.stride(0), out.stride(1), scratch);
     }
-    _tile_release();
+    Products::end();
   });
+}
+
+// Which products the tiled prefill attention runs here: "amx", "vector", or "" where the
+// switch is off.
+std::string tile_attention_kind() {
+  if (!tile_attention_enabled) return "";
+#ifdef CADENCE_AMX
+  if (amx_permitted()) return "amx";
+#endif
+  return "vector";
+}
+
+// The sequences `seqs` (each of at least kTileQueryRows query tokens), every KV head a task.
+void tile_attention(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                    const torch::Tensor& block_tables, const torch::Tensor& seq_lens, const int32_t* starts,
+                    const std::vector<int64_t>& seqs, double scale, torch::Tensor& out) {
+  const DecodeLayout<at::BFloat16> shape(query, k_cache, v_cache, block_tables, seq_lens, out);
+#ifdef CADENCE_AMX
+  if (amx_permitted()) {
+    tile_attention_with<AmxProducts>(shape, starts, seqs, scale, out);
+    return;
+  }
+#endif
+  tile_attention_with<VectorProducts>(shape, starts, seqs, scale, out);
 }
 #endif
 
@@ -1486,8 +1737,8 @@ void amx_attention(const torch::Tensor& query, const torch::Tensor& k_cache, con
 // prefill chunks alike: sequence s's tokens are rows [query_start[s], query_start[s + 1])
 // of query [N, num_heads, head_dim], the last at position seq_lens[s] - 1 (its earlier
 // positions, cached or new, are in the cache already). query_start [num_seqs + 1] int32.
-// Bfloat16 chunks of at least kAmxQueryRows tokens go to the tiles where there are
-// some (and the head size is a multiple of 32), the rest to the vector kernel.
+// Bfloat16 chunks of at least kTileQueryRows tokens are attended in tiles (where the
+// head size is a multiple of 32), the rest by the vector kernel.
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor query_start,
                               double scale) {
@@ -1507,19 +1758,19 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch:
     for (int64_t i = 0; i < num_seqs; ++i) {
       TORCH_CHECK(s[i + 1] > s[i] && lens[i] >= s[i + 1] - s[i], "sequence ", i, " has no query or too short a context");
     }
-#ifdef CADENCE_AMX
-    if (amx_attention_enabled && query.scalar_type() == at::kBFloat16 && query.size(2) % 32 == 0 &&
-        query.size(0) >= kAmxQueryRows && amx_permitted()) {
+#ifdef __AVX512BF16__
+    if (tile_attention_enabled && query.scalar_type() == at::kBFloat16 && query.size(2) % 32 == 0 &&
+        query.size(0) >= kTileQueryRows) {
       std::vector<int64_t> tiled;
       std::vector<uint8_t> skip(num_seqs, 0);
       for (int64_t i = 0; i < num_seqs; ++i) {
-        if (s[i + 1] - s[i] >= kAmxQueryRows) {
+        if (s[i + 1] - s[i] >= kTileQueryRows) {
           tiled.push_back(i);
           skip[i] = 1;
         }
       }
       if (!tiled.empty()) {
-        amx_attention(query, k_cache, v_cache, tables, lengths, s, tiled, scale, out);
+        tile_attention(query, k_cache, v_cache, tables, lengths, s, tiled, scale, out);
         if (tiled.size() < static_cast<size_t>(num_seqs)) {
           fast(query, k_cache, v_cache, tables, lengths, starts, scale, out, skip.data());
         }
@@ -1660,11 +1911,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("small_product_dtypes", &small_product_dtypes, "the dtypes small_product takes on this CPU");
   m.def("set_tile_attention", [](bool on) {
-#ifdef CADENCE_AMX
-    amx_attention_enabled = on;
+#ifdef __AVX512BF16__
+    tile_attention_enabled = on;
 #endif
     (void)on;
-  }, "whether bfloat16 prefill chunks may attend on AMX tiles (on by default; tests compare both kernels)");
+  }, "whether bfloat16 prefill chunks may attend in tiles of 16 query tokens (on by default; tests compare the kernels)");
+  m.def("tile_attention_kind", [] {
+#ifdef __AVX512BF16__
+    return tile_attention_kind();
+#else
+    return std::string();
+#endif
+  }, "the products bfloat16 prefill chunks attend with here: 'amx', 'vector', or '' (none, or switched off)");
   m.def("tile_products", [] {
 #ifdef CADENCE_AMX
     return amx_permitted();

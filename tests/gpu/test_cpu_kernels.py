@@ -72,10 +72,14 @@ def test_decode_kernel_matches_the_reference(kernel, dtype, num_seqs, max_len, b
     torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
-def test_decode_kernel_reads_only_the_sequences_blocks(kernel):
+@pytest.mark.parametrize("dtype, head_dim", [(torch.float32, 16), (torch.float32, 64), (torch.bfloat16, 64)])
+def test_decode_kernel_reads_only_the_sequences_blocks(kernel, dtype, head_dim):
     """Poisoning every block no sequence owns, and every slot past each sequence's
-    length, changes nothing."""
-    query, k_cache, v_cache, meta = decode_batch(6, 29, 4, 2, 2, 16, torch.float32, seed=4)
+    length, changes nothing: the portable kernel, the vector kernel, and in bfloat16 its
+    values taken two positions at a time (odd lengths included: the slot after the
+    last position is never read)."""
+    query, k_cache, v_cache, meta = decode_batch(6, 29, 4, 2, 2, head_dim, dtype, seed=4)
+    assert any(length % 2 for length in meta.seq_lens.tolist())
     clean = kernel.paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.25)
     owned = torch.zeros(k_cache.shape[0], k_cache.shape[1], dtype=torch.bool)
     for seq, length in enumerate(meta.seq_lens.tolist()):
@@ -157,7 +161,7 @@ def test_one_kernel_attends_decodes_and_prefills_as_the_reference(kernel, dtype,
 
 
 def attend(kernel, query, k_cache, v_cache, meta, scale, tiles, num_threads=1):
-    """The kernel's attention with the tile path allowed or not (the vector kernel then)."""
+    """The kernel's attention with the tiled prefill path allowed or not (the vector kernel then)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     kernel.set_tile_attention(tiles)
@@ -178,10 +182,11 @@ def attend(kernel, query, k_cache, v_cache, meta, scale, tiles, num_threads=1):
 @pytest.mark.parametrize("num_threads", [1, 2])
 def test_tile_attention_of_prefill_chunks_matches_the_reference(kernel, block_size, num_kv_heads, group, head_dim,
                                                                  num_threads):
-    """Bfloat16 prefill chunks of 16 tokens and more attend on AMX tiles where the CPU
-    has them (the vector kernel elsewhere): fresh prompts of whole and partial tiles, a
-    long one, chunks after cached context of odd and even length, beside decodes and a
-    chunk too short for the tiles. Both kernels give the reference's answer."""
+    """Bfloat16 prefill chunks of 16 tokens and more attend in tiles of 16 query tokens
+    (on AMX tiles where the CPU has them, else in AVX512_BF16 vectors; where it has
+    neither, the vector kernel): fresh prompts of whole and partial tiles, a long one,
+    chunks after cached context of odd and even length, beside decodes and a chunk too
+    short for the tiles. Both kernels give the reference's answer."""
     q_lens, seq_lens = [1, 16, 17, 300, 33, 1, 5, 40], [9, 16, 17, 300, 70, 1, 12, 201]
     query, k_cache, v_cache, meta = prefill_batch(q_lens, seq_lens, block_size, num_kv_heads, group, head_dim,
                                                   torch.bfloat16, seed=head_dim + block_size)
@@ -195,8 +200,16 @@ def test_tile_attention_of_prefill_chunks_matches_the_reference(kernel, block_si
     short = torch.cat([torch.arange(int(meta.query_start_loc[i]), int(meta.query_start_loc[i + 1]))
                        for i, n in enumerate(q_lens) if n < 16])
     assert torch.equal(tiled[short], vector[short])
-    if kernel.tile_products():  # the tiles ran: their rounded weights differ from the vector kernel's somewhere
+    kind = kernel.tile_attention_kind()
+    if kernel.tile_products():  # AMX wherever the products have it
+        assert kind == "amx"
+    if kind:  # the tiled path ran: its weights, rounded before the values, differ from the vector kernel's somewhere
         assert not torch.equal(tiled, vector)
+    kernel.set_tile_attention(False)
+    try:
+        assert kernel.tile_attention_kind() == ""
+    finally:
+        kernel.set_tile_attention(True)
 
 
 def test_tile_attention_reads_only_the_sequences_positions(kernel):
