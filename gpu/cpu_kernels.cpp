@@ -260,6 +260,17 @@ inline void accumulate(const scalar_t* cache, const int64_t* slots, int64_t head
 }
 
 #ifdef __AVX512BF16__
+// Two positions' 32 bfloat16 values each (a, b) as the pairs an AVX512_BF16 dot product
+// takes: `low` holds dimensions 0-15 (a's first, b's first, a's second...), `high` 16-31.
+inline void interleave_positions(__m512i a, __m512i b, __m512i& low, __m512i& high) {
+  const __m512i low_words = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                             39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i high_words = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24,
+                                              55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
+  low = _mm512_permutex2var_epi16(a, low_words, b);
+  high = _mm512_permutex2var_epi16(a, high_words, b);
+}
+
 // The same sums for bfloat16 values with the weights rounded to bfloat16 (`weights`, a
 // row every `stride` >= end + 1 values, zero past the row's positions): two positions
 // at a time, their values interleaved dimension by dimension into pairs, each pair
@@ -276,27 +287,20 @@ inline void accumulate_pairs(const at::BFloat16* cache, const int64_t* slots, in
   for (int r = 0; r < kRows; ++r) {
     for (int c = 0; c < kVecs; ++c) total[r][c] = _mm512_loadu_ps(sums + r * 16 * kVecs + 16 * c);
   }
-  // Words 2i and 2i + 1 of the result: dimension i (low) or 16 + i (high) of the first
-  // position's 32 and of the second's.
-  const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                       39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i high = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24,
-                                        55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
   for (int64_t p = begin; p < end; p += 2) {
     const at::BFloat16* first = cache + slots[p] + head_offset;
     const at::BFloat16* second = p + 1 < end ? cache + slots[p + 1] + head_offset : nullptr;
-    __m512bh pairs[kVecs];
+    __m512i pairs[kVecs];
     for (int c = 0; c < kVecs / 2; ++c) {
       const __m512i a = _mm512_loadu_si512(first + 32 * c);
       const __m512i b = second != nullptr ? _mm512_loadu_si512(second + 32 * c) : _mm512_setzero_si512();
-      pairs[2 * c] = (__m512bh)_mm512_permutex2var_epi16(a, low, b);
-      pairs[2 * c + 1] = (__m512bh)_mm512_permutex2var_epi16(a, high, b);
+      interleave_positions(a, b, pairs[2 * c], pairs[2 * c + 1]);
     }
     for (int r = 0; r < kRows; ++r) {
       uint32_t both;
       std::memcpy(&both, weights + r * stride + p, sizeof(both));
       const __m512bh weight = (__m512bh)_mm512_set1_epi32(static_cast<int>(both));
-      for (int c = 0; c < kVecs; ++c) total[r][c] = _mm512_dpbf16_ps(total[r][c], weight, pairs[c]);
+      for (int c = 0; c < kVecs; ++c) total[r][c] = _mm512_dpbf16_ps(total[r][c], weight, (__m512bh)pairs[c]);
     }
   }
   for (int r = 0; r < kRows; ++r) {
@@ -445,8 +449,7 @@ void attention_avx512(const torch::Tensor& query, const torch::Tensor& k_cache, 
           const float* row = scores.data() + r * len;
           at::BFloat16* out_row = rounded.data() + r * pair_stride;
           for (int64_t p = 0; p < pair_stride; p += 16) {
-            const __mmask16 mask = first_lanes(len - p);
-            const __m512 x = p < len ? _mm512_maskz_loadu_ps(mask, row + p) : _mm512_setzero_ps();
+            const __m512 x = p < len ? _mm512_maskz_loadu_ps(first_lanes(len - p), row + p) : _mm512_setzero_ps();
             _mm256_mask_storeu_epi16(out_row + p, first_lanes(pair_stride - p), (__m256i)_mm512_cvtneps_pbh(x));
           }
         }
@@ -1577,18 +1580,17 @@ void tile_attention_task(const DecodeLayout<at::BFloat16>& shape, const int32_t*
   // Values: block (b, c) row j holds positions 32b + 2j and 32b + 2j + 1 of dimensions
   // 16c..16c+15, interleaved (one position's dimension, the other's, the next dimension...).
   s.values.assign(width / 32 * v_chunks * 256, 0u);
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                              23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   for (int64_t pos = 0; pos < len; pos += 2) {
     const bf16* even = row_at(shape.v_ptr, pos);
     const bf16* odd = pos + 1 < len ? row_at(shape.v_ptr, pos + 1) : nullptr;
     uint32_t* row = s.values.data() + (pos / 32) * v_chunks * 256 + ((pos % 32) / 2) * 16;
-    for (int64_t c = 0; c < v_chunks; ++c) {
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + 16 * c));
-      const __m256i b = odd != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(odd + 16 * c))
-                                       : _mm256_setzero_si256();
-      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
-      _mm512_storeu_si512(row + c * 256, _mm512_permutexvar_epi16(interleave, both));
+    for (int64_t c = 0; c < v_chunks; c += 2) {  // 32 dimensions, two blocks' rows, at a time
+      const __m512i a = _mm512_loadu_si512(even + 16 * c);
+      const __m512i b = odd != nullptr ? _mm512_loadu_si512(odd + 16 * c) : _mm512_setzero_si512();
+      __m512i low, high;
+      interleave_positions(a, b, low, high);
+      _mm512_storeu_si512(row + c * 256, low);
+      _mm512_storeu_si512(row + (c + 1) * 256, high);
     }
   }
   s.scores.resize(16 * width);
