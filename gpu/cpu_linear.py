@@ -72,9 +72,16 @@ def rows_in_cache(out_features: int, dtype: torch.dtype) -> int:
 
 
 def packing_available(dtype: torch.dtype) -> bool:
-    """Whether this torch build can prepack weights of `dtype` for oneDNN."""
-    return (dtype in PACKABLE_DTYPES and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """Whether this torch build can prepack weights of `dtype` for oneDNN on this CPU
+    (bfloat16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: on an AVX2-only CPU oneDNN
+    refuses to reorder a bfloat16 weight, and the runner takes the eager path)."""
+    if not (dtype in PACKABLE_DTYPES and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    if dtype == torch.bfloat16:
+        supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+        return supported is None or bool(supported())
+    return True
 
 
 # Each product's weight starts on a page of its own in the arena; the arena itself on a

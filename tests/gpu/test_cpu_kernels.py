@@ -47,6 +47,25 @@ def decode_batch(num_seqs, max_len, block_size, num_kv_heads, group, head_dim, d
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
+def require_one_pass_attention(kernel, query):
+    """Skip where this CPU's kernels have no one-pass attention (decodes and prefills) for
+    the query's dtype: it needs AVX-512 (and AVX512_BF16 for bfloat16). Where the CPU has
+    those, the kernel must be there."""
+    if kernel.has_paged_attention(query):
+        return
+    needed = {"avx512f", "avx512bw"} | ({"avx512_bf16"} if query.dtype == torch.bfloat16 else set())
+    assert not needed <= set(cpu_kernels._cpu_flags().split()), "this CPU should have the one-pass kernel"
+    pytest.skip(f"the one-pass attention kernel needs {', '.join(sorted(needed))}; on this CPU decodes take "
+                f"the portable (or AVX2) decode kernel and prefills SDPA")
+
+
+def require_bfloat16_packing(dtype):
+    """Skip where oneDNN cannot prepack bfloat16 weights on this CPU (the runner then takes
+    the eager path in bfloat16: `test_the_runner_takes_the_eager_path_where_packing_is_refused`)."""
+    if dtype == torch.bfloat16 and not cpu_linear.packing_available(dtype):
+        pytest.skip("oneDNN packs bfloat16 weights only with AVX-512 BW/VL/DQ or AVX-NE-CONVERT")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_seqs, max_len, block_size, num_kv_heads, group, head_dim", [
     (1, 1, 16, 2, 2, 16),      # a single position
@@ -146,7 +165,7 @@ def test_one_kernel_attends_decodes_and_prefills_as_the_reference(kernel, dtype,
     q_lens, seq_lens = [1, 1, 37, 20, 1, 16], [9, 1, 37, 61, 30, 16]
     query, k_cache, v_cache, meta = prefill_batch(q_lens, seq_lens, block_size, num_kv_heads, group, head_dim, dtype,
                                                   seed=block_size * head_dim)
-    assert kernel.has_paged_attention(query)
+    require_one_pass_attention(kernel, query)
     threads = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
@@ -190,6 +209,7 @@ def test_tile_attention_of_prefill_chunks_matches_the_reference(kernel, block_si
     q_lens, seq_lens = [1, 16, 17, 300, 33, 1, 5, 40], [9, 16, 17, 300, 70, 1, 12, 201]
     query, k_cache, v_cache, meta = prefill_batch(q_lens, seq_lens, block_size, num_kv_heads, group, head_dim,
                                                   torch.bfloat16, seed=head_dim + block_size)
+    require_one_pass_attention(kernel, query)
     want = reference_paged_attention(query, k_cache, v_cache, meta, 0.125).float()
     tiled = attend(kernel, query, k_cache, v_cache, meta, 0.125, True, num_threads)
     vector = attend(kernel, query, k_cache, v_cache, meta, 0.125, False, num_threads)
@@ -217,6 +237,7 @@ def test_tile_attention_reads_only_the_sequences_positions(kernel):
     of a step of prefill chunks, an odd context length included."""
     q_lens, seq_lens = [16, 31, 1, 50], [16, 45, 7, 99]
     query, k_cache, v_cache, meta = prefill_batch(q_lens, seq_lens, 16, 2, 3, 64, torch.bfloat16, seed=3)
+    require_one_pass_attention(kernel, query)
     clean = attend(kernel, query, k_cache, v_cache, meta, 0.2, True)
     owned = torch.zeros(k_cache.shape[0], k_cache.shape[1], dtype=torch.bool)
     for seq, length in enumerate(seq_lens):
@@ -321,6 +342,7 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load(kernel)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7, 300])
 def test_packed_linear_matches_torch(dtype, rows):
+    require_bfloat16_packing(dtype)
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 48, generator=generator).to(dtype)
     bias = torch.randn(96, generator=generator).to(dtype)
@@ -361,6 +383,7 @@ def test_packing_a_model_keeps_its_outputs_and_releases_the_plain_weights(kind):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_long_prefill_runs_the_packed_mlp_in_slices_with_the_same_values(dtype):
+    require_bfloat16_packing(dtype)
     config = preset("tiny")
     model = build_model(config, get_attention_backend("reference"), dtype, "cpu")
     init_random_weights(model, seed=3)
@@ -521,7 +544,8 @@ def test_small_batch_product_matches_the_reference(kernel, dtype, rows, out_feat
                                                    num_threads):
     small = cpu_kernels.small_batch()
     if small is None or dtype not in small.dtypes:
-        pytest.skip(f"this CPU's kernels have no small-batch product in {dtype} (it needs AVX-512)")
+        pytest.skip(f"this CPU's kernels have no small-batch product in {dtype} (float32 needs AVX2 and "
+                    f"FMA, bfloat16 AVX512_BF16)")
     generator = torch.Generator().manual_seed(rows * out_features)
     weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
     bias = torch.randn(out_features, generator=generator).to(dtype) if with_bias else None
@@ -560,6 +584,39 @@ def test_small_batch_product_matches_the_reference(kernel, dtype, rows, out_feat
     assert (linear.packed_weight is None) == (dtype not in cpu_linear.LARGE_BATCH_ONEDNN_DTYPES)
 
 
+def test_the_small_batch_product_follows_the_cpus_instruction_sets(kernel):
+    """Float32 takes the small-batch product wherever the CPU has AVX2 and FMA (groups of
+    16 outputs) or AVX-512 (groups of 32); bfloat16 only with AVX512_BF16."""
+    flags = set(cpu_kernels._cpu_flags().split())
+    avx512, avx2 = {"avx512f", "avx512bw"} <= flags, {"avx2", "fma"} <= flags
+    small = cpu_kernels.small_batch()
+    if not (avx512 or avx2):
+        assert small is None
+        pytest.skip("this CPU has neither AVX2 and FMA nor AVX-512")
+    assert torch.float32 in small.dtypes
+    assert (torch.bfloat16 in small.dtypes) == (avx512 and "avx512_bf16" in flags)
+    assert small.columns == (32 if avx512 else 16)
+
+
+def test_the_runner_takes_the_eager_path_where_packing_is_refused(monkeypatch):
+    """oneDNN reorders bfloat16 weights only on CPUs with AVX-512 BW/VL/DQ or AVX-NE-CONVERT
+    (elsewhere it raises): there a bfloat16 runner computes eagerly, and asking for the
+    packed path is a configuration error naming the dtype."""
+    from cadence.gpu import ModelRunner
+    from cadence.statemachine.errors import ConfigError
+
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    if probe is not None:
+        assert cpu_linear.packing_available(torch.bfloat16) == bool(probe())
+    assert not cpu_linear.packing_available(torch.float16)
+    monkeypatch.setattr(cpu_linear, "packing_available", lambda dtype: dtype == torch.float32)
+    runner = ModelRunner(preset("tiny"), num_blocks=4, device="cpu", dtype="bfloat16")
+    assert runner.cpu_path == "eager"
+    assert ModelRunner(preset("tiny"), num_blocks=4, device="cpu", dtype="float32").cpu_path == "packed"
+    with pytest.raises(ConfigError, match="bfloat16"):
+        ModelRunner(preset("tiny"), num_blocks=4, device="cpu", dtype="bfloat16", cpu_path="packed")
+
+
 def test_small_batch_row_bounds_follow_the_cpu(kernel):
     """Beside oneDNN's copy, products of up to 128 rows take the small-batch path, but
     where the CPU has AMX (oneDNN's tiles) a bfloat16 product takes at most 4 rows, or
@@ -568,7 +625,7 @@ def test_small_batch_row_bounds_follow_the_cpu(kernel):
     whose inputs fill whole tiles (a multiple of 32) takes at least 96 rows."""
     small = cpu_kernels.small_batch()
     if small is None:
-        pytest.skip("this CPU's kernels have no small-batch product (it needs AVX-512)")
+        pytest.skip("this CPU's kernels have no small-batch product (it needs AVX2 and FMA)")
     assert small.rows == 128
     assert small.rows_for(torch.float32, 1280, 768) == small.rows_for(torch.float32, 256, 128) == 128
     if torch.bfloat16 in small.dtypes:
@@ -658,6 +715,7 @@ def test_the_decode_stack_gives_the_layers_results_bit_for_bit(kernel, dtype, nu
     product takes and for larger ones."""
     import attrs
 
+    require_bfloat16_packing(dtype)
     config = attrs.evolve(preset("tiny"), qkv_bias=True)
     model = build_model(config, get_attention_backend("cpu"), dtype, "cpu")
     init_random_weights(model, seed=3)
@@ -680,7 +738,8 @@ def test_the_decode_stack_gives_the_layers_results_bit_for_bit(kernel, dtype, nu
 def test_the_small_batch_layout_written_into_given_memory_is_the_padded_one(dtype, out_features, in_features):
     small = cpu_kernels.small_batch()
     if small is None or dtype not in small.dtypes:
-        pytest.skip(f"this CPU's kernels have no small-batch product in {dtype} (it needs AVX-512)")
+        pytest.skip(f"this CPU's kernels have no small-batch product in {dtype} (float32 needs AVX2 and "
+                    f"FMA, bfloat16 AVX512_BF16)")
     weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(out_features)).to(dtype)
     per_run, groups = (2 if dtype == torch.bfloat16 else 1), -(-out_features // small.columns)
     # The layout by definition: outputs padded with zeros to whole groups, each input's
@@ -700,7 +759,7 @@ def test_the_small_batch_layout_written_into_given_memory_is_the_padded_one(dtyp
 def test_packed_weights_lie_in_one_huge_page_arena_in_the_order_a_decode_step_reads_them(kernel):
     small = cpu_kernels.small_batch()
     if small is None:
-        pytest.skip("this CPU's kernels have no small-batch product (it needs AVX-512)")
+        pytest.skip("this CPU's kernels have no small-batch product (it needs AVX2 and FMA)")
     model = build_model(preset("tiny"), get_attention_backend("cpu"), torch.float32, "cpu")
     init_random_weights(model, seed=5)
     model.pack(small_batch=small)
