@@ -107,6 +107,12 @@ struct DecodeLayout {
         heads_per_task(num_seqs >= 4 * at::get_num_threads() ? num_kv_heads : 1),
         tasks_per_seq(num_kv_heads / heads_per_task),
         task_bytes(((heads_per_task - 1) * kv_stride_head + head_dim) * sizeof(scalar_t)) {}
+
+  // Where position `pos` of sequence `seq`, KV head `kv`, lies in a cache (elements).
+  int64_t slot_offset(int64_t seq, int64_t kv, int64_t pos) const {
+    return static_cast<int64_t>(tables[seq * table_width + pos / block_size]) * kv_stride_block +
+           (pos % block_size) * kv_stride_slot + kv * kv_stride_head;
+  }
 };
 
 template <typename scalar_t>
@@ -122,12 +128,8 @@ void decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache, 
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / shape.tasks_per_seq, first_kv = (task % shape.tasks_per_seq) * shape.heads_per_task;
       const int64_t len = shape.lens[seq];
-      const int32_t* table = shape.tables + seq * shape.table_width;
       // Where position `pos` of this task's first KV head lives in a cache.
-      auto slot_at = [&](const scalar_t* cache, int64_t pos) {
-        return cache + static_cast<int64_t>(table[pos / shape.block_size]) * shape.kv_stride_block +
-               (pos % shape.block_size) * shape.kv_stride_slot;
-      };
+      auto slot_at = [&](const scalar_t* cache, int64_t pos) { return cache + shape.slot_offset(seq, 0, pos); };
       auto prefetch = [&](const scalar_t* slot) {
         const char* first = reinterpret_cast<const char*>(slot + first_kv * shape.kv_stride_head);
         for (int64_t offset = 0; offset < shape.task_bytes; offset += kCacheLine) __builtin_prefetch(first + offset);
@@ -630,13 +632,9 @@ void decode_attention_avx2(const torch::Tensor& query, const torch::Tensor& k_ca
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / shape.tasks_per_seq, first_kv = (task % shape.tasks_per_seq) * shape.heads_per_task;
       const int64_t len = shape.lens[seq], padded = (len + 7) / 8 * 8;
-      const int32_t* table = shape.tables + seq * shape.table_width;
       // Each position's slot (its first KV head of this task), as an offset into a cache.
       slots.resize(len);
-      for (int64_t pos = 0; pos < len; ++pos) {
-        slots[pos] = static_cast<int64_t>(table[pos / shape.block_size]) * shape.kv_stride_block +
-                     (pos % shape.block_size) * shape.kv_stride_slot + first_kv * shape.kv_stride_head;
-      }
+      for (int64_t pos = 0; pos < len; ++pos) slots[pos] = shape.slot_offset(seq, first_kv, pos);
       // Into L2 (as `attention_avx512`): the first tiles' keys and values at once, then
       // during the scores, the keys and values kAvx2Ahead positions on, spread over the
       // rows' work, so that the values' pass finds them in the cache.
@@ -678,10 +676,8 @@ void decode_attention_avx2(const torch::Tensor& query, const torch::Tensor& k_ca
       if (task + 1 < end) {
         const int64_t next_seq = (task + 1) / shape.tasks_per_seq;
         const int64_t next_kv = ((task + 1) % shape.tasks_per_seq) * shape.heads_per_task;
-        const int32_t* next_table = shape.tables + next_seq * shape.table_width;
         for (int64_t p = 0, e = std::min<int64_t>(shape.lens[next_seq], kAvx2Ahead); p < e; ++p) {
-          const int64_t at = static_cast<int64_t>(next_table[p / shape.block_size]) * shape.kv_stride_block +
-                             (p % shape.block_size) * shape.kv_stride_slot + next_kv * shape.kv_stride_head;
+          const int64_t at = shape.slot_offset(next_seq, next_kv, p);
           prefetch(shape.k_ptr, at);
           prefetch(shape.v_ptr, at);
         }
@@ -1342,6 +1338,7 @@ inline __m256i first_lanes8(int64_t n) {
 // taken 16 a pass, were slower than oneDNN from 3 rows (each pass read every other
 // line); software prefetching made one to three rows 5-15% slower; blocks of 128-512
 // inputs, so that a product's later runs of rows read the weight from L1, 2-7% slower.
+// (kFetch: the AVX-512 kernels' signature, which the dispatch shares; nothing is prefetched here.)
 template <int kM, bool kFetch = true>
 void small_product_rows(const float* x, int64_t x_stride, const float* weight, const float* bias, float* y,
                         int64_t y_stride, int64_t inputs, int64_t out_features, int64_t first_group,
