@@ -32,9 +32,13 @@
 #include <immintrin.h>
 #define CADENCE_AVX2 1
 #endif
-// The float32 small-batch product runs on either instruction set.
+// The float32 small-batch product runs on either instruction set; the bfloat16 one with
+// AVX512_BF16's dot products, or with AVX2 widening each value to float32.
 #if defined(CADENCE_AVX512) || defined(CADENCE_AVX2)
 #define CADENCE_SMALL_FLOAT 1
+#endif
+#if defined(__AVX512BF16__) || defined(CADENCE_AVX2)
+#define CADENCE_SMALL_BFLOAT16 1
 #endif
 
 namespace {
@@ -568,7 +572,8 @@ inline AttentionFn vector_kernel_for(at::ScalarType dtype, int64_t head_dim) {
 #endif  // CADENCE_AVX512
 
 #ifdef CADENCE_AVX2
-// Decode attention of float32 in AVX2 vectors, for heads of a multiple of 32 dimensions:
+// Decode attention in AVX2 vectors (float32, and bfloat16 widened to float32 as it is
+// read), for heads of a multiple of 32 dimensions:
 // the tasks of `decode_attention`, keys and values prefetched into L2 as in
 // `attention_avx512`, eight positions' scores reduced together, the values accumulated in registers
 // for up to three query rows and 32 dimensions at a time, each value read once a pass.
@@ -590,22 +595,28 @@ constexpr int64_t kValuesAhead = 16;
 
 // out rows [kRows] (each a head_dim row at `out`, a row every `out_stride`), dimensions
 // [32 * chunk, 32 * chunk + 32) = sum over positions p of weights[r * stride + p] * value(p).
-template <int kRows>
-inline void values_avx2(const float* cache, const int64_t* slots, int64_t len, const float* weights, int64_t stride,
+// 8 values as float32 lanes: float32 as it is, bfloat16 widened (exact).
+inline __m256 load8(const float* src) { return _mm256_loadu_ps(src); }
+inline __m256 load8(const at::BFloat16* src) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+template <int kRows, typename scalar_t>
+inline void values_avx2(const scalar_t* cache, const int64_t* slots, int64_t len, const float* weights, int64_t stride,
                         int64_t chunk, float* out, int64_t out_stride) {
   __m256 acc[kRows][4];
   for (int r = 0; r < kRows; ++r) {
     for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
   }
   for (int64_t p = 0; p < len; ++p) {
-    const float* value = cache + slots[p] + 32 * chunk;
+    const scalar_t* value = cache + slots[p] + 32 * chunk;
     if (p + kValuesAhead < len) {
       const char* soon = reinterpret_cast<const char*>(cache + slots[p + kValuesAhead] + 32 * chunk);
       __builtin_prefetch(soon);
       __builtin_prefetch(soon + 64);
     }
-    const __m256 v0 = _mm256_loadu_ps(value), v1 = _mm256_loadu_ps(value + 8);
-    const __m256 v2 = _mm256_loadu_ps(value + 16), v3 = _mm256_loadu_ps(value + 24);
+    const __m256 v0 = load8(value), v1 = load8(value + 8), v2 = load8(value + 16), v3 = load8(value + 24);
     for (int r = 0; r < kRows; ++r) {
       const __m256 w = _mm256_broadcast_ss(weights + r * stride + p);
       acc[r][0] = _mm256_fmadd_ps(w, v0, acc[r][0]);
@@ -619,15 +630,19 @@ inline void values_avx2(const float* cache, const int64_t* slots, int64_t len, c
   }
 }
 
+// Float32, or bfloat16 widened to float32 as it is read (the portable kernel's sums: the
+// result is rounded to bfloat16 once at the end).
+template <typename scalar_t>
 void decode_attention_avx2(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
                            torch::Tensor& out) {
-  const DecodeLayout<float> shape(query, k_cache, v_cache, block_tables, seq_lens, out);
+  constexpr bool kWide = std::is_same_v<scalar_t, float>;
+  const DecodeLayout<scalar_t> shape(query, k_cache, v_cache, block_tables, seq_lens, out);
   const __m256 fscale = _mm256_set1_ps(static_cast<float>(scale));
   const int64_t vecs = shape.head_dim / 8, out_seq = out.stride(0), out_head = out.stride(1);
   at::parallel_for(0, shape.num_seqs * shape.tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
     const int64_t rows = shape.heads_per_task * shape.group;
-    std::vector<float> scores;
+    std::vector<float> scores, sums(kWide ? 0 : rows * shape.head_dim);
     std::vector<int64_t> slots;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / shape.tasks_per_seq, first_kv = (task % shape.tasks_per_seq) * shape.heads_per_task;
@@ -638,7 +653,7 @@ void decode_attention_avx2(const torch::Tensor& query, const torch::Tensor& k_ca
       // Into L2 (as `attention_avx512`): the first tiles' keys and values at once, then
       // during the scores, the keys and values kAvx2Ahead positions on, spread over the
       // rows' work, so that the values' pass finds them in the cache.
-      auto prefetch = [&](const float* cache, int64_t offset) {
+      auto prefetch = [&](const scalar_t* cache, int64_t offset) {
         const char* first = reinterpret_cast<const char*>(cache + offset);
         for (int64_t at = 0; at < shape.task_bytes; at += kCacheLine) __builtin_prefetch(first + at, 0, 1);
       };
@@ -650,7 +665,7 @@ void decode_attention_avx2(const torch::Tensor& query, const torch::Tensor& k_ca
       for (int64_t p0 = 0; p0 < len; p0 += 8) {
         const int64_t ahead = p0 + kAvx2Ahead, ahead_end = std::min(len, ahead + 8);
         // Positions past the context score the tile's first key again; softmax_row zeroes them.
-        const float* keys[8];
+        const scalar_t* keys[8];
         for (int j = 0; j < 8; ++j) keys[j] = shape.k_ptr + slots[p0 + j < len ? p0 + j : p0];
         for (int64_t h = 0; h < shape.heads_per_task; ++h) {
           for (int64_t g = 0; g < shape.group; ++g) {
@@ -659,13 +674,13 @@ void decode_attention_avx2(const torch::Tensor& query, const torch::Tensor& k_ca
               prefetch(shape.k_ptr, slots[p]);
               prefetch(shape.v_ptr, slots[p]);
             }
-            const float* q = shape.q_ptr + seq * shape.q_stride_seq + (first_kv * shape.group + r) * shape.q_stride_head;
+            const scalar_t* q = shape.q_ptr + seq * shape.q_stride_seq + (first_kv * shape.group + r) * shape.q_stride_head;
             __m256 acc[8];
             for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
             for (int64_t c = 0; c < vecs; ++c) {
-              const __m256 qc = _mm256_loadu_ps(q + 8 * c);
+              const __m256 qc = load8(q + 8 * c);
               for (int j = 0; j < 8; ++j) {
-                acc[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(keys[j] + h * shape.kv_stride_head + 8 * c), acc[j]);
+                acc[j] = _mm256_fmadd_ps(qc, load8(keys[j] + h * shape.kv_stride_head + 8 * c), acc[j]);
               }
             }
             _mm256_storeu_ps(scores.data() + r * padded + p0, _mm256_mul_ps(sum_each8(acc), fscale));
@@ -684,16 +699,31 @@ void decode_attention_avx2(const torch::Tensor& query, const torch::Tensor& k_ca
       }
       for (int64_t r = 0; r < rows; ++r) softmax_row(scores.data() + r * padded, len, padded);
       for (int64_t h = 0; h < shape.heads_per_task; ++h) {
-        const float* cache = shape.v_ptr + h * shape.kv_stride_head;
+        const scalar_t* cache = shape.v_ptr + h * shape.kv_stride_head;
         for (int64_t g0 = 0; g0 < shape.group; g0 += 3) {
           const int64_t r0 = h * shape.group + g0, n = std::min<int64_t>(3, shape.group - g0);
           const float* weights = scores.data() + r0 * padded;
-          float* o = shape.out_ptr + seq * out_seq + (first_kv * shape.group + r0) * out_head;
-          for (int64_t chunk = 0; chunk < shape.head_dim / 32; ++chunk) {
-            if (n == 3) values_avx2<3>(cache, slots.data(), len, weights, padded, chunk, o, out_head);
-            else if (n == 2) values_avx2<2>(cache, slots.data(), len, weights, padded, chunk, o, out_head);
-            else values_avx2<1>(cache, slots.data(), len, weights, padded, chunk, o, out_head);
+          // Float32 sums straight into the result; bfloat16's into `sums`, rounded below.
+          float* o;
+          int64_t o_stride;
+          if constexpr (kWide) {
+            o = shape.out_ptr + seq * out_seq + (first_kv * shape.group + r0) * out_head;
+            o_stride = out_head;
+          } else {
+            o = sums.data() + r0 * shape.head_dim;
+            o_stride = shape.head_dim;
           }
+          for (int64_t chunk = 0; chunk < shape.head_dim / 32; ++chunk) {
+            if (n == 3) values_avx2<3>(cache, slots.data(), len, weights, padded, chunk, o, o_stride);
+            else if (n == 2) values_avx2<2>(cache, slots.data(), len, weights, padded, chunk, o, o_stride);
+            else values_avx2<1>(cache, slots.data(), len, weights, padded, chunk, o, o_stride);
+          }
+        }
+      }
+      if constexpr (!kWide) {
+        for (int64_t r = 0; r < rows; ++r) {
+          scalar_t* o = shape.out_ptr + seq * out_seq + (first_kv * shape.group + r) * out_head;
+          for (int64_t d = 0; d < shape.head_dim; ++d) o[d] = static_cast<scalar_t>(sums[r * shape.head_dim + d]);
         }
       }
     }
@@ -1023,8 +1053,12 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
   }
 #endif
 #ifdef CADENCE_AVX2
-  if (query.scalar_type() == at::kFloat && query.size(2) % 32 == 0) {
-    decode_attention_avx2(query, k_cache, v_cache, tables, lens, scale, out);
+  if (query.size(2) % 32 == 0 && query.scalar_type() == at::kFloat) {
+    decode_attention_avx2<float>(query, k_cache, v_cache, tables, lens, scale, out);
+    return out;
+  }
+  if (query.size(2) % 32 == 0 && query.scalar_type() == at::kBFloat16) {
+    decode_attention_avx2<at::BFloat16>(query, k_cache, v_cache, tables, lens, scale, out);
     return out;
   }
 #endif
@@ -1366,6 +1400,81 @@ void small_product_rows(const float* x, int64_t x_stride, const float* weight, c
     }
   }
 }
+
+// 8 float32 lanes rounded to bfloat16 (nearest, ties to even; any NaN to the quiet NaN,
+// as `round_bfloat16`), their bits in the low halves of the lanes.
+inline __m256i bfloat16_bits8(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)),
+                                         _mm256_set1_epi32(0x7f800000));
+  return _mm256_srli_epi32(_mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc00000), nan), 16);
+}
+
+// Bfloat16 with AVX2 and FMA, in the layout of the AVX512_BF16 kernel with groups of 16
+// outputs: each pair of inputs of a group is one 64-byte run, a 32-bit lane per output
+// holding its two weights. The even input's weight is the lane shifted up by 16 bits and
+// the odd one's the lane with its low half cleared, both exact in float32, and so are
+// the inputs, broadcast a pair at a time; the products are exact and the sums run in
+// float32 over the inputs in order (the float32 kernel's, so a row's result does not
+// depend on the batch), rounded to bfloat16 once with the bias.
+template <int kM, bool kFetch = true>
+void small_product_rows(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* weight,
+                        const at::BFloat16* bias, at::BFloat16* y, int64_t y_stride, int64_t inputs,
+                        int64_t out_features, int64_t first_group, int64_t last_group) {
+  static_assert(kSmallColumns == 16, "two vectors of 8 outputs a group");
+  const int64_t pairs = inputs / 2;
+  const __m256i high_half = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t g = first_group; g < last_group; ++g) {
+    const at::BFloat16* group = weight + g * pairs * 2 * kSmallColumns;
+    __m256 sums[kM][2];
+    for (int m = 0; m < kM; ++m) sums[m][0] = sums[m][1] = _mm256_setzero_ps();
+    for (int64_t kp = 0; kp < pairs; ++kp) {
+      const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + kp * 2 * kSmallColumns));
+      const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + kp * 2 * kSmallColumns + 16));
+      const __m256 low_even = _mm256_castsi256_ps(_mm256_slli_epi32(low, 16));
+      const __m256 high_even = _mm256_castsi256_ps(_mm256_slli_epi32(high, 16));
+      const __m256 low_odd = _mm256_castsi256_ps(_mm256_and_si256(low, high_half));
+      const __m256 high_odd = _mm256_castsi256_ps(_mm256_and_si256(high, high_half));
+      for (int m = 0; m < kM; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, x + m * x_stride + 2 * kp, sizeof(pair));
+        const __m256i both = _mm256_set1_epi32(pair);
+        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(both, 16));
+        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(both, high_half));
+        sums[m][0] = _mm256_fmadd_ps(even, low_even, sums[m][0]);
+        sums[m][1] = _mm256_fmadd_ps(even, high_even, sums[m][1]);
+        sums[m][0] = _mm256_fmadd_ps(odd, low_odd, sums[m][0]);
+        sums[m][1] = _mm256_fmadd_ps(odd, high_odd, sums[m][1]);
+      }
+    }
+    for (int half = 0; half < 2; ++half) {
+      const int64_t first = g * kSmallColumns + 8 * half;
+      if (first >= out_features) break;
+      const int64_t n = std::min<int64_t>(8, out_features - first);
+      alignas(32) float shift_lanes[8] = {};
+      if (bias != nullptr) {
+        for (int64_t i = 0; i < n; ++i) shift_lanes[i] = static_cast<float>(bias[first + i]);
+      }
+      const __m256 shift = _mm256_load_ps(shift_lanes);
+      for (int m = 0; m < kM; ++m) {
+        const __m256i bits = bfloat16_bits8(_mm256_add_ps(sums[m][half], shift));
+        // Eight 16-bit values: packed within each 128-bit half, then the halves joined.
+        const __m128i packed = _mm256_castsi256_si128(
+            _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0x08));
+        at::BFloat16* dst = y + m * y_stride + first;
+        if (n == 8) {
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), packed);
+        } else {
+          alignas(16) uint16_t lanes[8];
+          _mm_store_si128(reinterpret_cast<__m128i*>(lanes), packed);
+          std::memcpy(dst, lanes, n * sizeof(uint16_t));
+        }
+      }
+    }
+  }
+}
 #endif
 
 #ifdef __AVX512BF16__
@@ -1460,6 +1569,66 @@ void small_product_all(const at::Tensor& x, const at::Tensor& packed, const c10:
 #endif
 }
 
+#ifdef CADENCE_AVX2
+// Bfloat16 products of more than one run of rows, with AVX2: there widening the weight's
+// values in every run costs the multipliers' time (the runs after the first read it from
+// the cache). So each group's weight is widened to float32 once, into a buffer the
+// float32 kernel then reads for every run, from rows of x widened once; the float32 sums
+// (the bfloat16 kernel's, in the same order: a row's result does not depend on the
+// batch) and the bias are rounded to bfloat16 at the end.
+// Up to kWidenRows rows, the bfloat16 kernel above widens the weight in every run of
+// rows. Measured on the 125M model's 49 products of a decode step (Zen 3, 1 thread,
+// weights from memory, alternated builds): 8-16 rows took 0.80-0.93x the time of
+// widening once, 24 rows 1.17x, 32 rows 1.22x, 64 rows 1.25x (widened once, 64 rows
+// run at ~81 GFLOP/s, the float32 kernel's pace).
+constexpr int64_t kWidenRows = 16;
+void widened_product(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                     at::Tensor& y, int64_t out_features) {
+  const at::Tensor xf = x.to(at::kFloat);
+  const c10::optional<at::Tensor> bf = bias.has_value() ? c10::optional<at::Tensor>(bias->to(at::kFloat)) : c10::nullopt;
+  at::Tensor yf = at::empty({x.size(0), out_features}, x.options().dtype(at::kFloat));
+  const float* xs = xf.data_ptr<float>();
+  const float* b = bf.has_value() ? bf->data_ptr<float>() : nullptr;
+  const auto* w = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
+  float* ys = yf.data_ptr<float>();
+  const int64_t rows = x.size(0), inputs = x.size(1), groups = packed.size(0), pairs = inputs / 2;
+  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> wide(inputs * kSmallColumns + 8);
+    float* group_wide = wide.data();
+    const __m256i high_half = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+    for (int64_t g = begin; g < end; ++g) {
+      // The group's [pairs][16 outputs][2 inputs] as float32 [inputs][16 outputs].
+      const uint32_t* group = w + g * pairs * kSmallColumns;
+      for (int64_t kp = 0; kp < pairs; ++kp) {
+        for (int half = 0; half < 2; ++half) {
+          const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + kp * kSmallColumns + 8 * half));
+          _mm256_storeu_ps(group_wide + (2 * kp) * kSmallColumns + 8 * half,
+                           _mm256_castsi256_ps(_mm256_slli_epi32(lanes, 16)));
+          _mm256_storeu_ps(group_wide + (2 * kp + 1) * kSmallColumns + 8 * half,
+                           _mm256_castsi256_ps(_mm256_and_si256(lanes, high_half)));
+        }
+      }
+      // The float32 kernel over this one group (its weight at group_wide as group 0).
+      const float* shifted_bias = b == nullptr ? nullptr : b + g * kSmallColumns;
+      const int64_t outputs = std::min<int64_t>(kSmallColumns, out_features - g * kSmallColumns);
+      for (int64_t first = 0; first < rows; first += kTileRows) {
+        const int64_t n = std::min(kTileRows, rows - first);
+        const float* xr = xs + first * inputs;
+        float* yr = ys + first * out_features + g * kSmallColumns;
+        switch (n) {
+#define CADENCE_ROWS_CASE(r) case r: small_product_rows<r, false>(xr, inputs, group_wide, shifted_bias, yr, out_features, inputs, outputs, 0, 1); break;
+          CADENCE_ROWS_CASE(1) CADENCE_ROWS_CASE(2) CADENCE_ROWS_CASE(3)
+          CADENCE_ROWS_CASE(4) CADENCE_ROWS_CASE(5) CADENCE_ROWS_CASE(6)
+#undef CADENCE_ROWS_CASE
+          default: break;
+        }
+      }
+    }
+  });
+  y.copy_(yf);
+}
+#endif
+
 // x [M, K] (M <= kProductRows, contiguous rows) times the packed weight [groups, K / P,
 // kSmallColumns, P] of a [out_features, K] one (P = 2 in bfloat16, 1 in float32), plus bias.
 at::Tensor small_product(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
@@ -1482,7 +1651,11 @@ at::Tensor small_product(const at::Tensor& x, const at::Tensor& packed, const c1
     at::Tensor yb = y.narrow(0, first, n);
     if (x.scalar_type() == at::kFloat) {
       small_product_all<float>(xb, packed, bias, yb, out_features);
-#ifdef __AVX512BF16__
+#ifdef CADENCE_SMALL_BFLOAT16
+#ifdef CADENCE_AVX2
+    } else if (x.scalar_type() == at::kBFloat16 && n > kWidenRows) {
+      widened_product(xb, packed, bias, yb, out_features);
+#endif
     } else if (x.scalar_type() == at::kBFloat16) {
 #ifdef CADENCE_AMX
       if (n >= kAmxMinRows && amx_serves(x.size(1))) {
@@ -1493,7 +1666,7 @@ at::Tensor small_product(const at::Tensor& x, const at::Tensor& packed, const c1
       small_product_all<at::BFloat16>(xb, packed, bias, yb, out_features);
 #endif
     } else {
-      TORCH_CHECK(false, "the small-batch product takes float32 (and bfloat16 with AVX512_BF16)");
+      TORCH_CHECK(false, "the small-batch product takes float32 (and bfloat16 with AVX512_BF16 or AVX2)");
     }
   }
   return y;
@@ -1505,7 +1678,7 @@ std::vector<std::string> small_product_dtypes() {
 #ifdef CADENCE_SMALL_FLOAT
   names.push_back("float32");
 #endif
-#ifdef __AVX512BF16__
+#ifdef CADENCE_SMALL_BFLOAT16
   names.push_back("bfloat16");
 #endif
   return names;

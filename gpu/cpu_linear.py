@@ -74,7 +74,9 @@ def rows_in_cache(out_features: int, dtype: torch.dtype) -> int:
 def packing_available(dtype: torch.dtype) -> bool:
     """Whether this torch build can prepack weights of `dtype` for oneDNN on this CPU
     (bfloat16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: on an AVX2-only CPU oneDNN
-    refuses to reorder a bfloat16 weight, and the runner takes the eager path)."""
+    refuses to reorder a bfloat16 weight; the runner then packs bfloat16 for the
+    kernels' small-batch product alone, which takes every row count, or where those
+    are not built takes the eager path)."""
     if not (dtype in PACKABLE_DTYPES and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return False

@@ -419,8 +419,13 @@ class ModelRunner:
         if self.device.type != "cpu":
             return None
         available = cpu_linear.packing_available(self.dtype)
+        if not available and self.dtype == torch.bfloat16 and self.backend.name == "cpu":
+            # Where oneDNN cannot pack bfloat16 (AVX2 without AVX-512), the kernels' own
+            # product takes every row count from their layout alone.
+            small = cpu_kernels.small_batch()
+            available = small is not None and self.dtype in small.dtypes
         if requested == "packed" and not available:
-            raise ConfigError(f"cpu_path 'packed' needs oneDNN and float32 or bfloat16 weights; "
+            raise ConfigError(f"cpu_path 'packed' needs oneDNN or this CPU's kernels, and float32 or bfloat16 weights; "
                               f"this runner has {self.dtype} (torch mkldnn available: "
                               f"{torch.backends.mkldnn.is_available()})")
         path = ("packed" if available else "eager") if requested == AUTO else requested

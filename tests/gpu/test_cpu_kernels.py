@@ -544,8 +544,8 @@ def test_small_batch_product_matches_the_reference(kernel, dtype, rows, out_feat
                                                    num_threads):
     small = cpu_kernels.small_batch()
     if small is None or dtype not in small.dtypes:
-        pytest.skip(f"this CPU's kernels have no small-batch product in {dtype} (float32 needs AVX2 and "
-                    f"FMA, bfloat16 AVX512_BF16)")
+        pytest.skip(f"this CPU's kernels have no small-batch product in {dtype} (it needs AVX2 and FMA, "
+                    f"and with AVX-512, AVX512_BF16 for bfloat16)")
     generator = torch.Generator().manual_seed(rows * out_features)
     weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
     bias = torch.randn(out_features, generator=generator).to(dtype) if with_bias else None
@@ -585,8 +585,9 @@ def test_small_batch_product_matches_the_reference(kernel, dtype, rows, out_feat
 
 
 def test_the_small_batch_product_follows_the_cpus_instruction_sets(kernel):
-    """Float32 takes the small-batch product wherever the CPU has AVX2 and FMA (groups of
-    16 outputs) or AVX-512 (groups of 32); bfloat16 only with AVX512_BF16."""
+    """Float32 and bfloat16 take the small-batch product wherever the CPU has AVX2 and FMA
+    (groups of 16 outputs, bfloat16 widened to float32) or AVX-512 (groups of 32; there
+    bfloat16 needs AVX512_BF16's dot products, and without them oneDNN packs it)."""
     flags = set(cpu_kernels._cpu_flags().split())
     avx512, avx2 = {"avx512f", "avx512bw"} <= flags, {"avx2", "fma"} <= flags
     small = cpu_kernels.small_batch()
@@ -594,14 +595,15 @@ def test_the_small_batch_product_follows_the_cpus_instruction_sets(kernel):
         assert small is None
         pytest.skip("this CPU has neither AVX2 and FMA nor AVX-512")
     assert torch.float32 in small.dtypes
-    assert (torch.bfloat16 in small.dtypes) == (avx512 and "avx512_bf16" in flags)
+    assert (torch.bfloat16 in small.dtypes) == ("avx512_bf16" in flags if avx512 else avx2)
     assert small.columns == (32 if avx512 else 16)
 
 
 def test_the_runner_takes_the_eager_path_where_packing_is_refused(monkeypatch):
     """oneDNN reorders bfloat16 weights only on CPUs with AVX-512 BW/VL/DQ or AVX-NE-CONVERT
-    (elsewhere it raises): there a bfloat16 runner computes eagerly, and asking for the
-    packed path is a configuration error naming the dtype."""
+    (elsewhere it raises): where the kernels' small-batch product takes bfloat16 either,
+    a bfloat16 runner computes eagerly, and asking for the packed path is a
+    configuration error naming the dtype."""
     from cadence.gpu import ModelRunner
     from cadence.statemachine.errors import ConfigError
 
@@ -610,11 +612,39 @@ def test_the_runner_takes_the_eager_path_where_packing_is_refused(monkeypatch):
         assert cpu_linear.packing_available(torch.bfloat16) == bool(probe())
     assert not cpu_linear.packing_available(torch.float16)
     monkeypatch.setattr(cpu_linear, "packing_available", lambda dtype: dtype == torch.float32)
+    monkeypatch.setattr(cpu_kernels, "small_batch", lambda: None)
     runner = ModelRunner(preset("tiny"), num_blocks=4, device="cpu", dtype="bfloat16")
     assert runner.cpu_path == "eager"
     assert ModelRunner(preset("tiny"), num_blocks=4, device="cpu", dtype="float32").cpu_path == "packed"
     with pytest.raises(ConfigError, match="bfloat16"):
         ModelRunner(preset("tiny"), num_blocks=4, device="cpu", dtype="bfloat16", cpu_path="packed")
+
+
+def test_bfloat16_packs_for_the_kernels_alone_where_onednn_refuses(kernel, monkeypatch):
+    """Where oneDNN cannot pack bfloat16 but the kernels' product takes it (AVX2 without
+    AVX-512; here oneDNN's refusal is simulated where it would pack), a bfloat16 runner
+    takes the packed path with every product on the kernels' layout alone (no oneDNN
+    copy), whose outputs are the eager path's within bfloat16's rounding."""
+    from cadence.gpu import ModelRunner
+
+    small = cpu_kernels.small_batch()
+    if small is None or torch.bfloat16 not in small.dtypes:
+        pytest.skip("this CPU's kernels have no bfloat16 small-batch product (AVX2 and FMA, and "
+                    "with AVX-512, AVX512_BF16)")
+    monkeypatch.setattr(cpu_linear, "packing_available", lambda dtype: dtype == torch.float32)
+    runner = ModelRunner(preset("tiny"), num_blocks=16, device="cpu", dtype="bfloat16")
+    assert runner.cpu_path == "packed"
+    linears = [module for module in runner.model.modules() if isinstance(module, cpu_linear.PackedLinear)]
+    assert linears and all(linear.packed_weight is None and linear.small_weight is not None for linear in linears)
+    eager = ModelRunner(preset("tiny"), num_blocks=16, device="cpu", dtype="bfloat16", cpu_path="eager")
+    generator = torch.Generator().manual_seed(3)
+    for rows in (3, 40):  # one run of rows (widened in the run), and many (the weight widened once)
+        hidden = torch.randn(rows, runner.config.hidden_size, generator=generator).bfloat16()
+        for packed_layer, eager_layer in zip(runner.model.model.layers, eager.model.model.layers):
+            torch.testing.assert_close(packed_layer.mlp(hidden).float(), eager_layer.mlp(hidden).float(),
+                                       atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(runner.model.compute_logits(hidden).float(),
+                                   eager.model.compute_logits(hidden).float(), atol=3e-2, rtol=3e-2)
 
 
 def test_small_batch_row_bounds_follow_the_cpu(kernel):
@@ -649,7 +679,9 @@ def test_bfloat16_beside_onednn_routes_rows_by_the_bound(kernel, monkeypatch):
     as each path alone)."""
     small = cpu_kernels.small_batch()
     if small is None or torch.bfloat16 not in small.dtypes:
-        pytest.skip("this CPU's kernels have no small-batch product in bfloat16 (it needs AVX512_BF16)")
+        pytest.skip("this CPU's kernels have no small-batch product in bfloat16 (it needs AVX2 and FMA, "
+                    "and with AVX-512, AVX512_BF16)")
+    require_bfloat16_packing(torch.bfloat16)  # oneDNN's copy beside the kernel's
     monkeypatch.setattr(cpu_linear, "LARGE_BATCH_ONEDNN_DTYPES", frozenset({torch.bfloat16}))
     monkeypatch.setattr(small, "rows_for", lambda dtype, out_features, in_features: 4)
     generator = torch.Generator().manual_seed(11)
@@ -669,7 +701,9 @@ def test_a_large_copy_is_dropped_only_where_tiles_take_every_row_count(kernel, m
     float32, the weight is laid out as before."""
     small = cpu_kernels.small_batch()
     if small is None or torch.bfloat16 not in small.dtypes:
-        pytest.skip("this CPU's kernels have no small-batch product in bfloat16 (it needs AVX512_BF16)")
+        pytest.skip("this CPU's kernels have no small-batch product in bfloat16 (it needs AVX2 and FMA, "
+                    "and with AVX-512, AVX512_BF16)")
+    require_bfloat16_packing(torch.bfloat16)  # oneDNN's copy beside the kernel's
     monkeypatch.setattr(cpu_linear, "LARGE_BATCH_ONEDNN_DTYPES", frozenset({torch.bfloat16}))
     generator = torch.Generator().manual_seed(12)
     weight, odd = torch.randn(96, 64, generator=generator).bfloat16(), torch.randn(96, 48, generator=generator).bfloat16()
@@ -738,8 +772,8 @@ def test_the_decode_stack_gives_the_layers_results_bit_for_bit(kernel, dtype, nu
 def test_the_small_batch_layout_written_into_given_memory_is_the_padded_one(dtype, out_features, in_features):
     small = cpu_kernels.small_batch()
     if small is None or dtype not in small.dtypes:
-        pytest.skip(f"this CPU's kernels have no small-batch product in {dtype} (float32 needs AVX2 and "
-                    f"FMA, bfloat16 AVX512_BF16)")
+        pytest.skip(f"this CPU's kernels have no small-batch product in {dtype} (it needs AVX2 and FMA, "
+                    f"and with AVX-512, AVX512_BF16 for bfloat16)")
     weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(out_features)).to(dtype)
     per_run, groups = (2 if dtype == torch.bfloat16 else 1), -(-out_features // small.columns)
     # The layout by definition: outputs padded with zeros to whole groups, each input's

@@ -357,7 +357,7 @@ def test_cpu_falls_back_to_sdpa_where_the_kernel_cannot_be_built(monkeypatch):
 def test_cpu_path_is_validated_and_eager_keeps_the_plain_projections():
     with pytest.raises(ConfigError, match="cpu_path must be one of"):
         ModelRunner(preset("tiny"), num_blocks=4, device="cpu", cpu_path="fast")
-    with pytest.raises(ConfigError, match="cpu_path 'packed' needs oneDNN and float32 or bfloat16"):
+    with pytest.raises(ConfigError, match="cpu_path 'packed' needs oneDNN or this CPU's kernels, and float32 or bfloat16"):
         ModelRunner(preset("tiny"), num_blocks=4, device="cpu", dtype="float16", cpu_path="packed")
     eager = ModelRunner(preset("tiny"), num_blocks=4, device="cpu", cpu_path="eager")
     assert eager.cpu_path == "eager" and eager.model.model.layers[0].self_attn.qkv_proj is None
