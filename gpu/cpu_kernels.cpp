@@ -1401,6 +1401,14 @@ void small_product_rows(const float* x, int64_t x_stride, const float* weight, c
   }
 }
 
+// A 32-bit lane holding two bfloat16 values (the pair layout: the even input's low,
+// the odd one's high) as float32 lanes: the even value shifted up 16 bits, the odd one
+// with the low half cleared (both exact).
+inline __m256 even_of_pairs(__m256i lanes) { return _mm256_castsi256_ps(_mm256_slli_epi32(lanes, 16)); }
+inline __m256 odd_of_pairs(__m256i lanes) {
+  return _mm256_castsi256_ps(_mm256_and_si256(lanes, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
 // 8 float32 lanes rounded to bfloat16 (nearest, ties to even; any NaN to the quiet NaN,
 // as `round_bfloat16`), their bits in the low halves of the lanes.
 inline __m256i bfloat16_bits8(__m256 x) {
@@ -1427,7 +1435,6 @@ inline void bfloat16_groups_avx2(const at::BFloat16* x, int64_t x_stride, const 
                                  const at::BFloat16* bias, at::BFloat16* y, int64_t y_stride, int64_t inputs,
                                  int64_t out_features, int64_t g0) {
   const int64_t pairs = inputs / 2;
-  const __m256i high_half = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   __m256 sums[kG][kM][2];
   for (int q = 0; q < kG; ++q) {
     for (int m = 0; m < kM; ++m) sums[q][m][0] = sums[q][m][1] = _mm256_setzero_ps();
@@ -1438,17 +1445,16 @@ inline void bfloat16_groups_avx2(const at::BFloat16* x, int64_t x_stride, const 
       const at::BFloat16* run = weight + ((g0 + q) * pairs + kp) * 2 * kSmallColumns;
       const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run));
       const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(run + 16));
-      low_even[q] = _mm256_castsi256_ps(_mm256_slli_epi32(low, 16));
-      high_even[q] = _mm256_castsi256_ps(_mm256_slli_epi32(high, 16));
-      low_odd[q] = _mm256_castsi256_ps(_mm256_and_si256(low, high_half));
-      high_odd[q] = _mm256_castsi256_ps(_mm256_and_si256(high, high_half));
+      low_even[q] = even_of_pairs(low);
+      high_even[q] = even_of_pairs(high);
+      low_odd[q] = odd_of_pairs(low);
+      high_odd[q] = odd_of_pairs(high);
     }
     for (int m = 0; m < kM; ++m) {
       int32_t pair;
       std::memcpy(&pair, x + m * x_stride + 2 * kp, sizeof(pair));
       const __m256i both = _mm256_set1_epi32(pair);
-      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(both, 16));
-      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(both, high_half));
+      const __m256 even = even_of_pairs(both), odd = odd_of_pairs(both);
       for (int q = 0; q < kG; ++q) {
         sums[q][m][0] = _mm256_fmadd_ps(even, low_even[q], sums[q][m][0]);
         sums[q][m][1] = _mm256_fmadd_ps(even, high_even[q], sums[q][m][1]);
@@ -1550,9 +1556,10 @@ void small_product_rows(const at::BFloat16* x, int64_t x_stride, const at::BFloa
 
 template <typename scalar_t, bool kFetch>
 void small_product_dispatch(int64_t rows, const scalar_t* x, int64_t x_stride, const scalar_t* w, const scalar_t* b,
-                            scalar_t* y, int64_t out_features, int64_t inputs, int64_t first_group, int64_t last_group) {
+                            scalar_t* y, int64_t y_stride, int64_t out_features, int64_t inputs, int64_t first_group,
+                            int64_t last_group) {
 #ifdef CADENCE_SMALL_FLOAT
-#define CADENCE_ROWS_CASE(n) case n: small_product_rows<n, kFetch>(x, x_stride, w, b, y, out_features, inputs, out_features, first_group, last_group); break;
+#define CADENCE_ROWS_CASE(n) case n: small_product_rows<n, kFetch>(x, x_stride, w, b, y, y_stride, inputs, out_features, first_group, last_group); break;
   switch (rows) {
     CADENCE_ROWS_CASE(1) CADENCE_ROWS_CASE(2) CADENCE_ROWS_CASE(3) CADENCE_ROWS_CASE(4)
     CADENCE_ROWS_CASE(5) CADENCE_ROWS_CASE(6)
@@ -1588,7 +1595,7 @@ void small_product_all(const at::Tensor& x, const at::Tensor& packed, const c10:
   at::parallel_for(0, groups, rows > kSmallRows ? 4 : 8, [&](int64_t begin, int64_t end) {
 #ifdef CADENCE_AVX2
     if (rows <= run_rows) {  // one run: the kernel takes the groups together (bfloat16: three at a time)
-      small_product_dispatch<scalar_t, true>(rows, xs, x_stride, w, b, ys, out_features, inputs, begin, end);
+      small_product_dispatch<scalar_t, true>(rows, xs, x_stride, w, b, ys, out_features, out_features, inputs, begin, end);
       return;
     }
 #endif
@@ -1599,9 +1606,9 @@ void small_product_all(const at::Tensor& x, const at::Tensor& packed, const c10:
         const int64_t n = std::min(run_rows, rows - first);
         // Only the first run's weight comes from memory: the others skip the prefetches.
         if (first == 0) {
-          small_product_dispatch<scalar_t, true>(n, xr, x_stride, w, b, yr, out_features, inputs, g, g + 1);
+          small_product_dispatch<scalar_t, true>(n, xr, x_stride, w, b, yr, out_features, out_features, inputs, g, g + 1);
         } else {
-          small_product_dispatch<scalar_t, false>(n, xr, x_stride, w, b, yr, out_features, inputs, g, g + 1);
+          small_product_dispatch<scalar_t, false>(n, xr, x_stride, w, b, yr, out_features, out_features, inputs, g, g + 1);
         }
       }
     }
@@ -1635,33 +1642,25 @@ void widened_product(const at::Tensor& x, const at::Tensor& packed, const c10::o
   at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
     std::vector<float> wide(inputs * kSmallColumns + 8);
     float* group_wide = wide.data();
-    const __m256i high_half = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
     for (int64_t g = begin; g < end; ++g) {
       // The group's [pairs][16 outputs][2 inputs] as float32 [inputs][16 outputs].
       const uint32_t* group = w + g * pairs * kSmallColumns;
       for (int64_t kp = 0; kp < pairs; ++kp) {
         for (int half = 0; half < 2; ++half) {
           const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + kp * kSmallColumns + 8 * half));
-          _mm256_storeu_ps(group_wide + (2 * kp) * kSmallColumns + 8 * half,
-                           _mm256_castsi256_ps(_mm256_slli_epi32(lanes, 16)));
-          _mm256_storeu_ps(group_wide + (2 * kp + 1) * kSmallColumns + 8 * half,
-                           _mm256_castsi256_ps(_mm256_and_si256(lanes, high_half)));
+          _mm256_storeu_ps(group_wide + (2 * kp) * kSmallColumns + 8 * half, even_of_pairs(lanes));
+          _mm256_storeu_ps(group_wide + (2 * kp + 1) * kSmallColumns + 8 * half, odd_of_pairs(lanes));
         }
       }
-      // The float32 kernel over this one group (its weight at group_wide as group 0).
+      // The float32 kernel over this one group (its weight at group_wide as group 0, its
+      // outputs `outputs` of a row every out_features).
       const float* shifted_bias = b == nullptr ? nullptr : b + g * kSmallColumns;
       const int64_t outputs = std::min<int64_t>(kSmallColumns, out_features - g * kSmallColumns);
       for (int64_t first = 0; first < rows; first += kTileRows) {
         const int64_t n = std::min(kTileRows, rows - first);
-        const float* xr = xs + first * inputs;
-        float* yr = ys + first * out_features + g * kSmallColumns;
-        switch (n) {
-#define CADENCE_ROWS_CASE(r) case r: small_product_rows<r, false>(xr, inputs, group_wide, shifted_bias, yr, out_features, inputs, outputs, 0, 1); break;
-          CADENCE_ROWS_CASE(1) CADENCE_ROWS_CASE(2) CADENCE_ROWS_CASE(3)
-          CADENCE_ROWS_CASE(4) CADENCE_ROWS_CASE(5) CADENCE_ROWS_CASE(6)
-#undef CADENCE_ROWS_CASE
-          default: break;
-        }
+        small_product_dispatch<float, false>(n, xs + first * inputs, inputs, group_wide, shifted_bias,
+                                             ys + first * out_features + g * kSmallColumns, out_features, outputs,
+                                             inputs, 0, 1);
       }
     }
   });
