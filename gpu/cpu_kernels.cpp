@@ -1069,6 +1069,21 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
   return out;
 }
 
+// Whether `paged_decode_attention` has a vector kernel for a query like this one (its
+// dtype and head size) here: then it also serves a prefill, one query row at a time,
+// each row given its own block table and context length (`row_attention_tables`).
+bool has_row_attention(const torch::Tensor& query) {
+#ifdef CADENCE_AVX512
+  if (vector_kernel_for(query.scalar_type(), query.size(-1)) != nullptr) return true;
+#endif
+#ifdef CADENCE_AVX2
+  return query.size(-1) % 32 == 0 &&
+         (query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16);
+#else
+  return false;
+#endif
+}
+
 // Whether `paged_attention` takes a query like this one (its dtype and head size) here.
 bool has_paged_attention(const torch::Tensor& query) {
 #ifdef CADENCE_AVX512
@@ -2219,15 +2234,21 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch:
   return out;
 }
 
-// ---- the decoder stack of a decode step, in one call ----------------------------------
+// ---- the decoder stack of a step, in one call ------------------------------------------
 //
-// A decode step (one new token per sequence) of a small model spends as long in
-// Python, between torch's ops, as in the products themselves: about forty calls a
-// layer. DecodeStack runs the same ops in the same order from C++ (the prepacked
-// products, through oneDNN's linear or `small_product`, these kernels, and torch's
-// silu and mul), so its results are bit for bit the Python path's. The one change of order: each layer's
-// closing residual add is done by the next norm (`rms_norm` with a residual rounds
-// the sum as torch's add would), and the last by the final norm.
+// A step of a small model spends as long in Python, between torch's ops, as in the
+// products themselves: about forty calls a layer, each taking the interpreter's lock
+// back, which a server's own thread holds while it reads requests and streams tokens
+// (a 128-token prefill of the demo model took 23 ms beside a busy server against its
+// 10 ms of work). DecodeStack runs the same ops in the same order from C++ (the
+// prepacked products, through oneDNN's linear or `small_product`, these kernels, and
+// torch's silu and mul) with the lock released, so its results are bit for bit the
+// Python path's. The one change of order: each layer's closing residual add is done by
+// the next norm (`rms_norm` with a residual rounds the sum as torch's add would), and the
+// last by the final norm. A decode step's attention rows are its sequences; a step with
+// prompts passes each query row's own block table and context length (the form
+// `paged_decode_attention` takes for any row), and the rows that sample, which alone run
+// the last layer past its attention, as the Python path's `keep`.
 
 // x times a prepacked weight: `small` where given, for at most product_rows rows or where
 // oneDNN's `weight` is not kept; else oneDNN's.
@@ -2272,21 +2293,51 @@ struct DecodeStack {
   at::Tensor final_norm;
   double eps, scale;
   int64_t num_heads, num_kv_heads, head_dim, intermediate;
+  // The feed-forward block takes a longer run of rows this many at a time (0: all at
+  // once), as the Python MLP's `chunk_rows`: each slice's [rows, 2 x intermediate]
+  // product stays in the cache.
+  int64_t chunk_rows;
 
   DecodeStack(std::vector<std::vector<c10::optional<at::Tensor>>> layers, at::Tensor final_norm, double eps,
-              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double scale)
+              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double scale,
+              int64_t chunk_rows)
       : layers(std::move(layers)), final_norm(std::move(final_norm)), eps(eps), scale(scale), num_heads(num_heads),
-        num_kv_heads(num_kv_heads), head_dim(head_dim), intermediate(intermediate) {
+        num_kv_heads(num_kv_heads), head_dim(head_dim), intermediate(intermediate), chunk_rows(chunk_rows) {
     for (const auto& layer : this->layers) TORCH_CHECK(layer.size() == 14, "a layer takes 14 tensors");
   }
 
+  // down(silu(gate) * up) of rows x, `chunk_rows` at a time where there are more.
+  at::Tensor feed_forward(const at::Tensor& x, const std::vector<c10::optional<at::Tensor>>& w,
+                          int64_t out_features) const {
+    auto block = [&](const at::Tensor& rows) {
+      at::Tensor gate_up = packed_linear(rows, w[8], w[9], w[10], 2 * intermediate);
+      auto halves = gate_up.chunk(2, -1);
+      return packed_linear(silu_mul(halves[0], halves[1]), w[11], w[12], w[13], out_features);
+    };
+    const int64_t rows = x.size(0);
+    if (chunk_rows <= 0 || rows <= chunk_rows) return block(x);
+    at::Tensor out = at::empty({rows, out_features}, x.options());
+    for (int64_t first = 0; first < rows; first += chunk_rows) {
+      const int64_t n = std::min(chunk_rows, rows - first);
+      out.narrow(0, first, n).copy_(block(x.narrow(0, first, n)));
+    }
+    return out;
+  }
+
   // hidden [T, hidden] (the embedded tokens), cos/sin [T, head_dim], caches: each
-  // layer's key then value cache; returns the final norm's output [T, hidden].
+  // layer's key then value cache; block_tables [T, width] and seq_lens [T]: each query
+  // row's table and context length. Returns the final norm's output [T, hidden], or
+  // with `keep_rows` that of those rows only: the last layer attends for them alone
+  // (their tables and lengths `keep_tables` and `keep_lens`), every row's key and value
+  // stored all the same.
   at::Tensor forward(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
                      std::vector<at::Tensor> caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                     const at::Tensor& seq_lens) const {
+                     const at::Tensor& seq_lens, const c10::optional<at::Tensor>& keep_rows,
+                     const c10::optional<at::Tensor>& keep_tables, const c10::optional<at::Tensor>& keep_lens) const {
     TORCH_CHECK(caches.size() == 2 * layers.size(), "two caches a layer");
     TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous(), "slot_mapping: int64");
+    TORCH_CHECK(keep_rows.has_value() == keep_tables.has_value() && keep_rows.has_value() == keep_lens.has_value(),
+                "keep_rows, keep_tables and keep_lens come together");
     const int64_t tokens = hidden.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     at::Tensor x = hidden, residual;
     for (size_t i = 0; i < layers.size(); ++i) {
@@ -2305,13 +2356,21 @@ struct DecodeStack {
       at::Tensor k = rotated(qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim}), cos, sin);
       at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
       store_kv(k, v, caches[2 * i], caches[2 * i + 1], slot_mapping);
-      at::Tensor attended = paged_decode_attention(q, caches[2 * i], caches[2 * i + 1], block_tables, seq_lens, scale);
-      at::Tensor out = packed_linear(attended.view({tokens, q_size}), w[4], w[5], w[6], hidden.size(1));
+      at::Tensor tables = block_tables, lens = seq_lens;
+      if (keep_rows.has_value() && i + 1 == layers.size()) {  // the last layer: the kept rows alone
+        const at::Tensor kept = keep_rows->to(at::kLong);
+        if (kept.size(0) == 0) return hidden.new_empty({0, hidden.size(1)});
+        q = q.index_select(0, kept);
+        residual = residual.index_select(0, kept);
+        tables = *keep_tables;
+        lens = *keep_lens;
+      }
+      const int64_t rows = q.size(0);
+      at::Tensor attended = paged_decode_attention(q, caches[2 * i], caches[2 * i + 1], tables, lens, scale);
+      at::Tensor out = packed_linear(attended.view({rows, q_size}), w[4], w[5], w[6], hidden.size(1));
       auto both = rms_norm(out, *w[7], eps, residual);
       residual = both[1];
-      at::Tensor gate_up = packed_linear(both[0], w[8], w[9], w[10], 2 * intermediate);
-      auto halves = gate_up.chunk(2, -1);
-      x = packed_linear(silu_mul(halves[0], halves[1]), w[11], w[12], w[13], hidden.size(1));
+      x = feed_forward(both[0], w, hidden.size(1));
     }
     return rms_norm(x, final_norm, eps, residual)[0];
   }
@@ -2325,6 +2384,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "causal attention of decodes and prefills over a paged KV cache",
         py::call_guard<py::gil_scoped_release>());
   m.def("has_paged_attention", &has_paged_attention, "whether paged_attention takes this dtype and head size");
+  m.def("has_row_attention", &has_row_attention,
+        "whether paged_decode_attention has a vector kernel for this dtype and head size");
   m.def("rms_norm", &rms_norm, "RMSNorm of rows, optionally of residual + x",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none(),
         py::call_guard<py::gil_scoped_release>());
@@ -2337,8 +2398,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<std::vector<std::vector<c10::optional<at::Tensor>>>, at::Tensor, double, int64_t, int64_t, int64_t,
-                    int64_t, double>())
-      .def("forward", &DecodeStack::forward, "the decoder stack of a decode step",
+                    int64_t, double, int64_t>())
+      .def("forward", &DecodeStack::forward, "the decoder stack of a step",
+           py::arg("hidden"), py::arg("cos"), py::arg("sin"), py::arg("caches"), py::arg("slot_mapping"),
+           py::arg("block_tables"), py::arg("seq_lens"), py::arg("keep_rows") = py::none(),
+           py::arg("keep_tables") = py::none(), py::arg("keep_lens") = py::none(),
            py::call_guard<py::gil_scoped_release>());
   m.def("small_product", &small_product, "x [<= SMALL_ROWS, K] times a small-batch packed weight",
         py::call_guard<py::gil_scoped_release>());

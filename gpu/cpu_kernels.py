@@ -228,7 +228,8 @@ def small_batch() -> SmallBatch | None:
 
 def decode_stack(model):
     """The kernels' `DecodeStack` for a packed `CausalLM` (`CausalLM.pack`): its decoder
-    layers' decode steps in one call, bit for bit the results of the layers' own
+    layers in one call, for a decode step or a step whose attention runs a row at a time
+    (`AttentionMetadata.row_block_tables`), bit for bit the results of the layers' own
     forward on this module's kernels. None where that path does not apply: the kernels
     are not built, or a layer has query/key norms, unpacked products or another norm
     epsilon."""
@@ -251,7 +252,8 @@ def decode_stack(model):
                        layer.post_attention_layernorm.weight.detach(), *_product(gate_up), *_product(down)])
     first = stack.layers[0].self_attn
     return module.DecodeStack(layers, stack.norm.weight.detach(), eps, first.num_heads, first.num_kv_heads,
-                              first.head_dim, stack.layers[0].mlp.gate_up_proj.out_features // 2, first.scale)
+                              first.head_dim, stack.layers[0].mlp.gate_up_proj.out_features // 2, first.scale,
+                              stack.layers[0].mlp.chunk_rows or 0)
 
 
 def _product(linear) -> list:

@@ -290,12 +290,22 @@ class DecoderStack(nn.Module):
         num_tokens = hidden.shape[0]
         if keep is not None and keep.rows.shape[0] == num_tokens:
             keep = None  # every row is kept, in order (a decode step): nothing to cut
-        if (self.decode_stack is not None and meta.num_decode_seqs == num_tokens
+        by_row = meta.row_block_tables is not None
+        if (self.decode_stack is not None and (by_row or meta.num_decode_seqs == num_tokens)
                 and kv_caches[0][0].dtype == hidden.dtype):
-            # A decode step: every layer in one call of the CPU kernels (the same results).
+            # A decode step, or one whose attention runs a row at a time: every layer in
+            # one call of the CPU kernels (the same results), the interpreter's lock
+            # released throughout.
             cos, sin = (table.view(num_tokens, -1) for table in rope)
+            tables, lens = meta.block_tables, meta.seq_lens
+            if by_row:
+                tables, lens = meta.row_block_tables, meta.row_seq_lens
+            kept = {}
+            if keep is not None:
+                kept = dict(keep_rows=keep.rows, keep_tables=meta.block_tables[keep.seqs],
+                            keep_lens=meta.seq_lens[keep.seqs])
             return self.decode_stack.forward(hidden, cos, sin, [cache for pair in kv_caches for cache in pair],
-                                             meta.slot_mapping, meta.block_tables, meta.seq_lens)
+                                             meta.slot_mapping, tables, lens, **kept)
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             hidden = layer(hidden, rope, kv_cache, meta, keep if i == last else None)

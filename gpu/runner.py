@@ -32,7 +32,7 @@ from cadence.statemachine.plan import StepPlan, StepResult
 from cadence.statemachine.sampling import SamplingParams, StructuredOutput
 
 from . import cpu_kernels, cpu_linear, host_memory, openmp_env
-from .attention import AttentionMetadata, get_attention_backend
+from .attention import AttentionMetadata, get_attention_backend, row_attention_pays
 from .config import ModelConfig
 from .cuda_graphs import DecodeGraphs, DecodeInputs, StagingBuffer, graph_batch_sizes
 from .worklist import BalanceConfig
@@ -144,6 +144,10 @@ class HostBatch:
     max_query_len: int
     max_seq_len: int
     num_decode_seqs: int
+    # Each query row's block table and context length, where its prompts attend a row at
+    # a time (`AttentionMetadata.row_block_tables`).
+    row_block_tables: torch.Tensor | None = None
+    row_seq_lens: torch.Tensor | None = None
 
 
 @attrs.define(slots=True)
@@ -360,6 +364,9 @@ class ModelRunner:
             if self.backend.name == "cpu":  # its kernels are built: the fused ones come with them
                 self.model.set_fused_elementwise(True, cpu_kernels)
                 self._argmax = cpu_kernels.argmax
+        # Where the CPU kernels have no one-pass attention of prompts but a vector decode
+        # kernel, a step's prompts attend a row at a time where that pays (`_host_batch`).
+        self._row_attention = self._resolve_row_attention()
         if self.fused_elementwise:
             # Before any decode graph is captured, so the graphs hold the fused kernels.
             self.model.set_fused_elementwise(True)
@@ -434,6 +441,19 @@ class ModelRunner:
                   f" pinned to cores {list(self.pinned_cores)}" if self.pinned_cores else "",
                   openmp_env.describe())
         return path
+
+    def _resolve_row_attention(self) -> bool:
+        if self.backend.name != "cpu" or self.device.type != "cpu":
+            return False
+        kernel = cpu_kernels.load()
+        if kernel is None:
+            return False
+        probe = torch.empty(0, self.config.num_heads, self.config.head_dim, dtype=self.dtype)
+        by_row = kernel.has_row_attention(probe) and not kernel.has_paged_attention(probe)
+        if by_row:
+            _log.info("CPU attention: prompts a row at a time through the decode kernel, each step's "
+                      "layers in one call of the kernels")
+        return by_row
 
     def _resolve_fused_elementwise(self, requested: bool | None, attention_backend: str) -> bool:
         if requested is None:
@@ -616,8 +636,12 @@ class ModelRunner:
             block_tables[seq_of_token, positions // self.block_size].long() * self.block_size
             + positions % self.block_size
         )
+        row_tables = row_lens = None
+        if self._row_attention and row_attention_pays(
+                [(c, n) for c, n in zip(starts, q_lens) if n > 1], self.block_size):
+            row_tables, row_lens = block_tables.index_select(0, seq_of_token), (positions + 1).to(torch.int32)
         return HostBatch(input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
-                         max(q_lens), max_seq_len, num_decodes)
+                         max(q_lens), max_seq_len, num_decodes, row_tables, row_lens)
 
     def _build_inputs(self, seqs: Sequence[tuple[Sequence[int], int, Sequence[int]]]) -> StepInputs:
         """Device inputs for (new token ids, first position, block table) per sequence, outside any plan."""
@@ -647,6 +671,8 @@ class ModelRunner:
             slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens,
             block_tables=block_tables, max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len,
             num_decode_seqs=batch.num_decode_seqs,
+            # Only ever on the CPU (`_resolve_row_attention`): no device copy to make.
+            row_block_tables=batch.row_block_tables, row_seq_lens=batch.row_seq_lens,
         )
         return StepInputs(input_ids, positions, meta), LastRows(rows, seqs)
 

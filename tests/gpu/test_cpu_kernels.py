@@ -741,22 +741,29 @@ def _random_decode_step(config, dtype, num_seqs, seed=0):
     return input_ids, positions, caches, meta
 
 
+def _stacked_model(dtype, seed, **shape):
+    """The tiny preset (with q/k/v biases and `shape`'s changes) packed, on the CPU
+    kernels, with its decoder stack: (config, model, stack)."""
+    import attrs
+
+    require_bfloat16_packing(dtype)
+    config = attrs.evolve(preset("tiny"), qkv_bias=True, **shape)
+    model = build_model(config, get_attention_backend("cpu"), dtype, "cpu")
+    init_random_weights(model, seed=seed)
+    model.pack(small_batch=cpu_kernels.small_batch())
+    model.set_fused_elementwise(True, cpu_kernels)
+    stack = model.model.decode_stack
+    assert stack is not None
+    return config, model, stack
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_seqs", [1, 5, 12, 130])
 def test_the_decode_stack_gives_the_layers_results_bit_for_bit(kernel, dtype, num_seqs):
     """The C++ decode-step stack runs the layers' own ops in their order: the same final
     hidden states and the same cache contents, exactly, for batches the small-batch
     product takes and for larger ones."""
-    import attrs
-
-    require_bfloat16_packing(dtype)
-    config = attrs.evolve(preset("tiny"), qkv_bias=True)
-    model = build_model(config, get_attention_backend("cpu"), dtype, "cpu")
-    init_random_weights(model, seed=3)
-    model.pack(small_batch=cpu_kernels.small_batch())
-    model.set_fused_elementwise(True, cpu_kernels)
-    stack = model.model.decode_stack
-    assert stack is not None
+    config, model, stack = _stacked_model(dtype, seed=3)
     input_ids, positions, caches, meta = _random_decode_step(config, dtype, num_seqs)
     copies = [tuple(c.clone() for c in pair) for pair in caches]
     with torch.no_grad():
@@ -765,6 +772,101 @@ def test_the_decode_stack_gives_the_layers_results_bit_for_bit(kernel, dtype, nu
         want = model(input_ids, positions, copies, meta)
     assert torch.equal(got, want)
     assert all(torch.equal(a, b) for pair, copy in zip(caches, copies) for a, b in zip(pair, copy))
+
+
+def with_row_tables(meta: AttentionMetadata) -> AttentionMetadata:
+    """`meta` with each query row's own block table and context length (its position + 1),
+    derived from the step's sequences by definition."""
+    import attrs
+
+    q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).long()
+    seq_of_row = torch.repeat_interleave(torch.arange(q_lens.shape[0]), q_lens)
+    index_in_seq = torch.arange(seq_of_row.shape[0]) - meta.query_start_loc.long()[seq_of_row]
+    lens = meta.seq_lens.long()[seq_of_row] - q_lens[seq_of_row] + index_in_seq + 1
+    return attrs.evolve(meta, row_block_tables=meta.block_tables.index_select(0, seq_of_row),
+                        row_seq_lens=lens.to(torch.int32))
+
+
+def _random_mixed_step(config, dtype, q_lens, seq_lens, seed=0):
+    """A step of decodes and prompt chunks (`q_lens` new tokens ending at `seq_lens`, the
+    one-token ones first) for `config`: random caches for every layer, blocks in shuffled
+    order, the slots the new tokens take, and per-row tables."""
+    generator = torch.Generator().manual_seed(seed)
+    block_size = 16
+    width = -(-max(seq_lens) // block_size)
+    num_blocks = len(q_lens) * width + 2
+    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    caches = [tuple(torch.randn(shape, generator=generator).to(dtype) for _ in range(2))
+              for _ in range(config.num_layers)]
+    tables = torch.randperm(num_blocks, generator=generator)[: len(q_lens) * width].view(len(q_lens), width)
+    positions = torch.cat([torch.arange(end - n, end) for n, end in zip(q_lens, seq_lens)])
+    seq_of_row = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
+    slots = tables[seq_of_row, positions // block_size] * block_size + positions % block_size
+    meta = AttentionMetadata(
+        slot_mapping=slots, query_start_loc=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()],
+                                                         dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables.to(torch.int32),
+        max_query_len=max(q_lens), max_seq_len=max(seq_lens), num_decode_seqs=q_lens.count(1))
+    input_ids = torch.randint(0, config.vocab_size, (len(positions),), generator=generator)
+    return input_ids, positions, caches, with_row_tables(meta)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sampled", ["all", "some", "none", "every row"])
+@pytest.mark.parametrize("head_dim", [16, 32])  # the portable decode kernel; the vector one
+def test_the_stack_runs_a_step_of_prompts_as_the_layers_do(kernel, dtype, sampled, head_dim):
+    """A step of decodes, a whole prompt, a chunk after cached context and a prompt longer
+    than the feed-forward's slice of rows, attended a row at a time: the stack's final
+    hidden states of the rows that sample (or of every row) and the caches it writes are
+    the layers' own, bit for bit, and agree with the padded (SDPA) attention's."""
+    import attrs
+
+    from cadence.gpu.model import LastRows
+
+    config, model, stack = _stacked_model(dtype, seed=4, head_dim=head_dim)
+    chunk_rows = model.model.layers[0].mlp.chunk_rows
+    q_lens, seq_lens = [1, 1, 20, 9, chunk_rows + 7], [31, 5, 20, 39, chunk_rows + 7]
+    input_ids, positions, caches, meta = _random_mixed_step(config, dtype, q_lens, seq_lens, seed=len(sampled))
+    ends = meta.query_start_loc.long()[1:] - 1
+    seqs = {"all": [0, 1, 2, 3, 4], "some": [1, 3], "none": [], "every row": None}[sampled]
+    keep = None if seqs is None else LastRows(ends[seqs], torch.tensor(seqs, dtype=torch.int64))
+    runs = {}
+    for name in ("stack", "layers", "padded"):
+        model.model.decode_stack = stack if name == "stack" else None
+        step = meta if name != "padded" else attrs.evolve(meta, row_block_tables=None, row_seq_lens=None)
+        copies = [tuple(c.clone() for c in pair) for pair in caches]
+        with torch.no_grad():
+            runs[name] = (model(input_ids, positions, copies, step, keep), copies)
+    (got, got_caches), (want, want_caches) = runs["stack"], runs["layers"]
+    assert got.shape == (len(positions) if seqs is None else len(seqs), config.hidden_size)
+    assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for pair, copy in zip(got_caches, want_caches) for a, b in zip(pair, copy))
+    torch.testing.assert_close(got.float(), runs["padded"][0].float(), atol=TOLERANCE[dtype] * 10,
+                               rtol=TOLERANCE[dtype] * 10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_attention_of_prompts_matches_the_reference(kernel, dtype):
+    """Every query row as a one-token query over its own context (prompt rows included):
+    the reference's causal answer, for whole prompts and a chunk after cached context."""
+    q_lens, seq_lens = [1, 1, 37, 20, 16], [9, 1, 37, 61, 16]
+    query, k_cache, v_cache, meta = prefill_batch(q_lens, seq_lens, 16, 2, 3, 64, dtype, seed=3)
+    if not kernel.has_row_attention(query):
+        pytest.skip("the decode kernel has no vector path for this dtype here (it needs AVX2 and FMA)")
+    got = cpu_paged_attention(query, k_cache, v_cache, with_row_tables(meta), 0.2)
+    want = reference_paged_attention(query, k_cache, v_cache, meta, 0.2)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_row_attention_pays_for_whole_prompts_not_for_a_chunk_after_a_long_context():
+    from cadence.gpu.attention import row_attention_pays
+
+    assert row_attention_pays([], 16)  # decodes alone
+    assert row_attention_pays([(0, 128)] * 7, 16)
+    assert row_attention_pays([(0, 2048)], 16)
+    assert not row_attention_pays([(1024, 256)], 16)  # most of the padded work is real
+    # Seven short prompts beside one long: padding the short ones to the long one's length wastes most.
+    assert row_attention_pays([(0, 8)] * 7 + [(0, 512)], 16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -408,3 +408,59 @@ def test_the_last_layer_cut_to_the_sampling_rows_keeps_their_values_and_every_ro
     assert none.shape[0] == 0
     assert all(torch.equal(a, b) for a, b in zip(none_kv, full_kv))
     assert any(t.abs().sum() > 0 for t in none_kv[-2:])  # the last layer's were written
+
+
+def test_prompts_attend_a_row_at_a_time_through_the_stack_where_the_kernels_have_no_one_pass_attention():
+    """With heads the vector decode kernel takes and no one-pass prompt attention (an
+    AVX2 CPU), a step of prompts carries each row's own block table and context length,
+    runs through the kernels' stack in one call, and gives the padded (SDPA) path's
+    logits; a chunk after a long cached context keeps the padded path."""
+    import attrs
+
+    from cadence.gpu import cpu_kernels
+
+    kernel = cpu_kernels.load()
+    if kernel is None:
+        pytest.skip(f"the CPU kernels did not build: {cpu_kernels.unavailable_reason()}")
+    config = attrs.evolve(preset("tiny"), head_dim=32)
+    runner = ModelRunner(config, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, device="cpu",
+                         attention_backend="cpu")
+    probe = torch.empty(0, config.num_heads, config.head_dim)
+    expected = kernel.has_row_attention(probe) and not kernel.has_paged_attention(probe)
+    assert runner._row_attention == expected
+    if not expected:
+        pytest.skip("this CPU's kernels attend prompts in one pass (AVX-512) or have no vector decode kernel")
+    stack = runner.model.model.decode_stack
+    assert stack is not None
+
+    class Counting:
+        calls = 0
+
+        def forward(self, *args, **kwargs):
+            Counting.calls += 1
+            return stack.forward(*args, **kwargs)
+
+    logits = []
+    compute_logits = runner.model.compute_logits
+    runner.model.compute_logits = lambda hidden: logits.append(compute_logits(hidden)) or logits[-1]
+    prompts = {"a": list(range(3, 12)), "b": list(range(40, 47))}
+    step = plan(0, {"a": 9, "b": 7}, [new("a", prompts["a"], [0, 1, 2]), new("b", prompts["b"], [3, 4])])
+    whole = runner._build_inputs([(prompts["a"], 0, [5, 6, 7]), ([1], 6, [8, 9])]).meta
+    # The decode first, then the prompt's rows, each over its own context.
+    assert whole.row_seq_lens.tolist() == [7, *range(1, 10)]
+    assert whole.row_block_tables.tolist() == [[8, 9, 0]] + [[5, 6, 7]] * 9
+    chunk = runner._build_inputs([(list(range(8)), 100, list(range(27)))]).meta
+    assert chunk.row_block_tables is None  # most of the padded work is real: SDPA
+    try:
+        runner.model.model.decode_stack = Counting()
+        by_rows = runner.execute(step, {"a": GREEDY, "b": GREEDY})
+        assert Counting.calls == 1
+        runner.reset()
+        runner._row_attention = False
+        runner.model.model.decode_stack = None
+        padded = runner.execute(step, {"a": GREEDY, "b": GREEDY})
+    finally:
+        runner._row_attention, runner.model.model.decode_stack = True, stack
+        runner.model.compute_logits = compute_logits
+    assert by_rows.sampled_token_ids.keys() == padded.sampled_token_ids.keys() == {"a", "b"}
+    torch.testing.assert_close(logits[0], logits[1], atol=2e-5, rtol=2e-5)
