@@ -46,6 +46,19 @@ SERVE_ADMISSION_DELAY_BUDGET = 4096
 # away from them, every prompt waiting for its share of a bounded step is what a client
 # sees as a late first token.
 SERVE_CPU_MAX_NUM_BATCHED_TOKENS = 2048
+# ... except for a small model (under gpu.config.SMALL_MODEL_MACS multiply-adds a token, as the
+# demo model), whose prompt tokens cost microseconds each: there a step of 2,048 of them
+# (~60 ms of the demo model's at 1 thread, Zen 3) holds every prompt of a burst until the
+# last is computed, while a quarter of that keeps the products at full rate (>= 128
+# rows) and hands the burst's first tokens out a slice at a time. Measured with
+# cpu_peers.py serve (demo model, float32, 1 thread, 128 / 128 tokens, one run each),
+# TTFT p50 at 8 and 32 clients: 2,048 tokens 40.7 / 105.6 ms (other runs 42-54 /
+# 119-150), 1,024 49.5 / 88.2, 512 40.2 / 40.7, 384 36.0 / 42.2; requests/s within the
+# runs' noise (22.0 / 35.0 at 512 against 24.9 / 31.9), ITL p99 6.5 / 24.5 ms against
+# 4.8 / 27.8. With lengths varied +-30% (no rounds) 512 and 2,048 alike: 15.8 / 30.9
+# against 17.5 / 32.5 ms. A larger model keeps 2,048: the 125M model's 512 prompt
+# tokens are ~1.8 s of a step, which every decoding request would wait out.
+SERVE_CPU_SMALL_MODEL_MAX_NUM_BATCHED_TOKENS = 512
 
 # The pacing rules, off by default on every machine, for a CPU server that wants even
 # gaps between tokens more than early first tokens (README: "How a server admits"):
@@ -94,7 +107,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-batched-tokens", type=int, default=None,
                        help="token budget per step (default: "
                             f"{SERVE_CPU_MAX_NUM_BATCHED_TOKENS} where the model runs on a CPU, as "
-                            f"vLLM's CPU server, else {SchedulerConfig().max_num_batched_tokens})")
+                            f"vLLM's CPU server, {SERVE_CPU_SMALL_MODEL_MAX_NUM_BATCHED_TOKENS} there "
+                            "for a small model such as the demo model, "
+                            f"else {SchedulerConfig().max_num_batched_tokens})")
     group.add_argument("--admission-delay-budget", type=int, default=None, metavar="N",
                        help="while requests run, a step admits at most N / (requests held, running "
                             "and waiting) tokens of new prompts, and at least --admission-min-tokens, "
@@ -224,7 +239,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         tokenizer=tokenizer_for(args.model) if executor != "simulated" else None,
         latency=latency, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=_cpu_default(args.max_num_batched_tokens, "--max-num-batched-tokens", on_cpu,
-                                            SERVE_CPU_MAX_NUM_BATCHED_TOKENS,
+                                            _cpu_token_budget(args.model) if on_cpu else 0,
                                             SchedulerConfig().max_num_batched_tokens),
         max_model_len=args.max_model_len,
         admission_delay_budget=_cpu_default(args.admission_delay_budget, "--admission-delay-budget",
@@ -240,6 +255,26 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
         prefix_cache_sharing=args.prefix_cache_sharing, trace_path=args.trace_path,
         executor_options={**_tp_options(args), **cpu_options(args)})
+
+
+def _cpu_token_budget(model: str) -> int:
+    """A CPU server's token budget per step for `model` (a directory, 'demo' or a preset):
+    SERVE_CPU_SMALL_MODEL_MAX_NUM_BATCHED_TOKENS for a small model, else
+    SERVE_CPU_MAX_NUM_BATCHED_TOKENS, also where its configuration cannot be read (the
+    model's load then says why)."""
+    from cadence.gpu import config as gpu_config
+    from cadence.statemachine.errors import CheckpointError
+
+    try:
+        if model in gpu_config.PRESETS:
+            shape = gpu_config.preset(model)
+        else:
+            shape = gpu_config.ModelConfig.from_pretrained(resolve_model(model))
+    except (CheckpointError, ConfigError, OSError, ValueError):
+        return SERVE_CPU_MAX_NUM_BATCHED_TOKENS
+    if gpu_config.macs_per_token(shape) < gpu_config.SMALL_MODEL_MACS:
+        return SERVE_CPU_SMALL_MODEL_MAX_NUM_BATCHED_TOKENS
+    return SERVE_CPU_MAX_NUM_BATCHED_TOKENS
 
 
 def _runs_on_cpu(args: argparse.Namespace, executor: str) -> bool:

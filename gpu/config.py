@@ -153,6 +153,20 @@ class ModelConfig:
         return config
 
 
+# Multiply-adds per generated token under which a model counts as small: one thread
+# runs its step fastest (a product takes tens of microseconds, the order of a team's
+# start-up and barrier cost), and a CPU server gives it a smaller token budget a step.
+SMALL_MODEL_MACS = 50_000_000
+
+
+def macs_per_token(config: ModelConfig) -> int:
+    """Multiply-adds of the weight products for one token: projections, MLP and the output head."""
+    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    attention = config.hidden_size * (2 * q_size + 2 * kv_size)
+    mlp = 3 * config.hidden_size * config.intermediate_size
+    return config.num_layers * (attention + mlp) + config.hidden_size * config.vocab_size
+
+
 def read_json(path: Path) -> dict[str, Any]:
     """Parse a JSON file, raising CheckpointError naming the file when it is absent or invalid."""
     if not path.is_file():

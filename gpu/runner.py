@@ -33,14 +33,14 @@ from cadence.statemachine.sampling import SamplingParams, StructuredOutput
 
 from . import cpu_kernels, cpu_linear, host_memory, openmp_env
 from .attention import AttentionMetadata, get_attention_backend, row_attention_pays
-from .config import ModelConfig
+from .config import SMALL_MODEL_MACS, ModelConfig, macs_per_token
 from .cuda_graphs import DecodeGraphs, DecodeInputs, StagingBuffer, graph_batch_sizes
 from .worklist import BalanceConfig
 from .loader import load_weights
 from .model import LastRows, build_model, init_random_weights
 from .sampler import Sampler, restricted
 from .host_memory import zeroed_cpu_tensor
-from .threads import AUTO, SMALL_MODEL_MACS, macs_per_token, pin_compute_threads, resolve_num_threads, set_num_threads
+from .threads import AUTO, pin_compute_threads, resolve_num_threads, set_num_threads
 
 _log = logging.getLogger("cadence.gpu")
 CPU_PATHS = (AUTO, "packed", "eager")

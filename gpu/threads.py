@@ -36,13 +36,9 @@ import torch
 
 from cadence.statemachine.errors import ConfigError
 
-from .config import ModelConfig
+from .config import SMALL_MODEL_MACS, ModelConfig, macs_per_token
 
 AUTO = "auto"
-# Multiply-adds per generated token under which one thread runs a step fastest:
-# a product of that model takes tens of microseconds, the order of a team's
-# start-up and barrier cost.
-SMALL_MODEL_MACS = 50_000_000
 # Share of the usable cores the auto policy takes for larger models.
 CORE_SHARE = 2
 # Elements per thread of the kernel that starts an OpenMP team: past torch's grain size.
@@ -55,14 +51,6 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
-
-
-def macs_per_token(config: ModelConfig) -> int:
-    """Multiply-adds of the weight products for one token: projections, MLP and the output head."""
-    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    attention = config.hidden_size * (2 * q_size + 2 * kv_size)
-    mlp = 3 * config.hidden_size * config.intermediate_size
-    return config.num_layers * (attention + mlp) + config.hidden_size * config.vocab_size
 
 
 def auto_num_threads(config: ModelConfig, num_cores: int) -> int:

@@ -16,6 +16,7 @@ from cadence.actors.bench import add_bench_parser
 from cadence.actors.engine import demo_model_dir
 from cadence.actors.engine_args import (PACED_BURST_SPLIT, PACED_FINISH_HOLD_STEPS, PACED_MIXED_PREFILL_TOKENS,
                                          SERVE_ADMISSION_DELAY_BUDGET, SERVE_CPU_MAX_NUM_BATCHED_TOKENS,
+                                         SERVE_CPU_SMALL_MODEL_MAX_NUM_BATCHED_TOKENS,
                                          engine_config_from_args)
 from cadence.actors.serve.server import add_serve_parser
 from cadence.actors.wire import DEFAULT_PORT
@@ -181,9 +182,31 @@ def test_a_server_shares_its_admissions_and_an_offline_engine_does_not():
         engine_config_from_args(serve.parse_args(["--model", "simulated", "--admission-delay-budget", "-1"]))
 
 
+def test_a_cpu_server_gives_a_small_model_a_smaller_token_budget(tmp_path):
+    """The demo model (and any shape under SMALL_MODEL_MACS) takes a quarter of the CPU
+    budget a step; a larger model the whole, as does one whose configuration cannot be
+    read (its load reports that); the option and other devices are unchanged."""
+    from cadence.gpu.config import SMALL_MODEL_MACS, macs_per_token, preset
+
+    serve = _subparser(add_serve_parser, "serve")
+
+    def budget(*argv):
+        return engine_config_from_args(serve.parse_args(list(argv))).scheduler.max_num_batched_tokens
+
+    assert macs_per_token(preset("tiny")) < SMALL_MODEL_MACS <= macs_per_token(preset("qwen3-0.6b"))
+    assert budget("--device", "cpu") == SERVE_CPU_SMALL_MODEL_MAX_NUM_BATCHED_TOKENS == 512  # the demo model
+    assert budget("--device", "cpu", "--model", "tiny") == 512
+    assert budget("--device", "cpu", "--model", "qwen3-0.6b") == SERVE_CPU_MAX_NUM_BATCHED_TOKENS
+    (tmp_path / "config.json").write_text("{not json")
+    assert budget("--device", "cpu", "--model", str(tmp_path)) == SERVE_CPU_MAX_NUM_BATCHED_TOKENS
+    assert budget("--device", "cpu", "--model", str(tmp_path / "missing")) == SERVE_CPU_MAX_NUM_BATCHED_TOKENS
+    assert budget("--device", "cpu", "--max-num-batched-tokens", "4096") == 4096
+    assert budget("--device", "cuda") == SchedulerConfig().max_num_batched_tokens
+
+
 def test_a_cpu_server_schedules_as_vllms_and_takes_the_pacing_rules_when_asked():
     serve = _subparser(add_serve_parser, "serve")
-    cpu = engine_config_from_args(serve.parse_args(["--device", "cpu"])).scheduler
+    cpu = engine_config_from_args(serve.parse_args(["--device", "cpu", "--model", "qwen3-0.6b"])).scheduler
     assert cpu.max_num_batched_tokens == SERVE_CPU_MAX_NUM_BATCHED_TOKENS == 2048
     assert (cpu.mixed_prefill_tokens, cpu.admission_burst_split, cpu.admission_finish_hold_steps,
             cpu.admission_delay_budget) == (0, 0, 0, 0)
