@@ -858,6 +858,41 @@ def test_row_attention_of_prompts_matches_the_reference(kernel, dtype):
     torch.testing.assert_close(got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_a_prompts_rows_in_one_call_give_each_rows_own_answer(kernel, dtype, num_threads):
+    """Rows that continue a prompt (the vector kernel reuses the row before's slots and
+    prefetches nothing) give exactly what each row gives attended alone, also where a
+    row's predecessor shares its first blocks but not the rest (a prefix-cached prompt's
+    sibling) or its length but not its blocks."""
+    generator = torch.Generator().manual_seed(5)
+    block_size, num_kv_heads, group, head_dim = 16, 2, 3, 64
+    k_cache, v_cache = (torch.randn(40, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+                        for _ in range(2))
+    prompt = torch.tensor([[7, 3, 12, 30]], dtype=torch.int32)
+    sibling = torch.tensor([[7, 3, 25, 31]], dtype=torch.int32)  # the same first two blocks
+    tables = torch.cat([prompt.expand(50, -1), sibling, sibling, prompt.expand(3, -1)])
+    lens = torch.cat([torch.arange(1, 51), torch.tensor([51, 52]), torch.tensor([52, 53, 60])]).to(torch.int32)
+    query = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=generator).to(dtype)
+    if not kernel.has_row_attention(query):
+        pytest.skip("the decode kernel has no vector path for this dtype here (it needs AVX2 and FMA)")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        together = kernel.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.125)
+        alone = torch.cat([kernel.paged_decode_attention(query[i : i + 1], k_cache, v_cache, tables[i : i + 1],
+                                                         lens[i : i + 1], 0.125) for i in range(len(lens))])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(together, alone)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(len(lens), dtype=torch.int64),
+                             query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32), seq_lens=lens,
+                             block_tables=tables, max_query_len=1, max_seq_len=int(lens.max()),
+                             num_decode_seqs=len(lens))
+    want = reference_paged_attention(query, k_cache, v_cache, meta, 0.125)
+    torch.testing.assert_close(together.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
 def test_row_attention_pays_for_whole_prompts_not_for_a_chunk_after_a_long_context():
     from cadence.gpu.attention import row_attention_pays
 
