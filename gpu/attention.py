@@ -62,9 +62,19 @@ class AttentionMetadata:
 ROW_ATTENTION_MIN_RATIO = 1.8
 
 
-def row_attention_pays(prefills: list[tuple[int, int]], block_size: int) -> bool:
+# Per-row tables are the step's rows times its widest table (a long decode beside a
+# burst of prompts widens every prompt row's): past this many entries (4 MB) their copy
+# would cost more than the padded path saves, and the step attends padded.
+ROW_TABLES_MAX_ENTRIES = 1 << 20
+
+
+def row_attention_pays(prefills: list[tuple[int, int]], block_size: int, num_rows: int = 0,
+                       table_width: int = 0) -> bool:
     """Whether the prompts of a step, (tokens computed before, tokens now) each, are cheaper
-    attended a row at a time than padded to the longest (`ROW_ATTENTION_MIN_RATIO`)."""
+    attended a row at a time than padded to the longest (`ROW_ATTENTION_MIN_RATIO`), with
+    `num_rows` query rows and tables `table_width` blocks wide (`ROW_TABLES_MAX_ENTRIES`)."""
+    if num_rows * table_width > ROW_TABLES_MAX_ENTRIES:
+        return False
     if not prefills:
         return True
     longest = max(start + n for start, n in prefills)

@@ -638,7 +638,7 @@ class ModelRunner:
         )
         row_tables = row_lens = None
         if self._row_attention and row_attention_pays(
-                [(c, n) for c, n in zip(starts, q_lens) if n > 1], self.block_size):
+                [(c, n) for c, n in zip(starts, q_lens) if n > 1], self.block_size, len(positions), width):
             row_tables, row_lens = block_tables.index_select(0, seq_of_token), (positions + 1).to(torch.int32)
         return HostBatch(input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
                          max(q_lens), max_seq_len, num_decodes, row_tables, row_lens)

@@ -902,6 +902,10 @@ def test_row_attention_pays_for_whole_prompts_not_for_a_chunk_after_a_long_conte
     assert not row_attention_pays([(1024, 256)], 16)  # most of the padded work is real
     # Seven short prompts beside one long: padding the short ones to the long one's length wastes most.
     assert row_attention_pays([(0, 8)] * 7 + [(0, 512)], 16)
+    # A burst of prompts beside a decode deep into a long context: every row's table would
+    # be that decode's width.
+    assert row_attention_pays([(0, 128)] * 16, 16, num_rows=2049, table_width=8)
+    assert not row_attention_pays([(0, 128)] * 16, 16, num_rows=2049, table_width=2048)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
