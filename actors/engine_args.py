@@ -230,6 +230,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         raise ConfigError(f"--heartbeat-timeout must be >= 0, got {args.heartbeat_timeout}")
     queue = {} if args.max_waiting is None else {"max_waiting": args.max_waiting}
     on_cpu = _runs_on_cpu(args, executor)
+    # Read from the model's configuration only where it runs on a CPU.
+    cpu_budget = _cpu_token_budget(args.model) if on_cpu else SERVE_CPU_MAX_NUM_BATCHED_TOKENS
     return EngineConfig.from_kwargs(
         step_timeout_s=args.step_timeout, max_restarts=args.max_restarts,
         restart_window_s=args.restart_window, restart_backoff_s=args.restart_backoff,
@@ -239,8 +241,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         tokenizer=tokenizer_for(args.model) if executor != "simulated" else None,
         latency=latency, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=_cpu_default(args.max_num_batched_tokens, "--max-num-batched-tokens", on_cpu,
-                                            _cpu_token_budget(args.model) if on_cpu else 0,
-                                            SchedulerConfig().max_num_batched_tokens),
+                                            cpu_budget, SchedulerConfig().max_num_batched_tokens),
         max_model_len=args.max_model_len,
         admission_delay_budget=_cpu_default(args.admission_delay_budget, "--admission-delay-budget",
                                             on_cpu, 0, SERVE_ADMISSION_DELAY_BUDGET),

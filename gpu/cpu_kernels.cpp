@@ -1106,7 +1106,8 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor k_cache,
 
 // Whether `paged_decode_attention` has a vector kernel for a query like this one (its
 // dtype and head size) here: then it also serves a prefill, one query row at a time,
-// each row given its own block table and context length (`row_attention_tables`).
+// each row given its own block table and context length (the runner's per-row tables,
+// `AttentionMetadata.row_block_tables`).
 bool has_row_attention(const torch::Tensor& query) {
 #ifdef CADENCE_AVX512
   if (vector_kernel_for(query.scalar_type(), query.size(-1)) != nullptr) return true;
