@@ -73,8 +73,12 @@ def load():
             build_dir = Path(cpp_extension._get_build_directory(name, False))
             flags = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
             with _sole_builder(build_dir):
+                # The source by its resolved path, as `build_name` names it: a tree that
+                # links to this folder (the mutation runner's copy of the core) then
+                # writes the same build file and finds the build current, where its own
+                # path would make the builder compile again (~45 s on two cores).
                 _state["module"] = cpp_extension.load(
-                    name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                    name=name, sources=[str(SOURCE.resolve())], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                     build_directory=str(build_dir), verbose=False)
         except Exception as exc:  # noqa: BLE001 - any build failure means: fall back, and say why
             _state["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"

@@ -345,6 +345,12 @@ def _apply(node: ast.AST, operator: str, variant: int) -> None:
         _replace_stmt(node, ast.Pass())
 
 
+def _fields_of(node: ast.AST) -> dict:
+    """A node's fields as they are, lists copied: what `_apply` may change in it."""
+    return {field: list(value) if isinstance(value, list) else value
+            for field, value in ast.iter_fields(node)}
+
+
 def _replace_stmt(node, new) -> None:
     parent = node._parent
     for field in ("body", "orelse", "finalbody"):
@@ -363,19 +369,26 @@ def enumerate_mutants(files: tuple[str, ...] = FILES) -> list[tuple[Mutant, str]
         tree = ast.parse(source)
         points = list(_points(tree))
         seen: dict[str, int] = {}
-        for index, (node, operator, description, variant, func) in enumerate(points):
+        for node, operator, description, variant, func in points:
             base = f"{name}:{node.lineno}:{node.col_offset}:{operator}"
             n = seen.get(base, 0)
             seen[base] = n + 1
             mid = base if n == 0 else f"{base}:{n}"
-            mutated = ast.parse(source)
-            target = list(_points(mutated))[index][0]
-            _apply(target, operator, variant)
+            # One tree serves every mutant: change it, write it out, change it back
+            # (a fresh parse and walk per mutant made this quadratic: a minute for
+            # scheduler.py).
+            touched = [node, getattr(node, "_parent", None)]
+            saved = [_fields_of(t) for t in touched if t is not None]
+            _apply(node, operator, variant)
             try:
-                new_source = ast.unparse(mutated)
+                new_source = ast.unparse(tree)
                 compile(new_source, name, "exec")
             except (SyntaxError, ValueError, RecursionError):
                 continue
+            finally:
+                for t, fields in zip((t for t in touched if t is not None), saved):
+                    for field, value in fields.items():
+                        setattr(t, field, value)
             out.append((Mutant(mid, name, node.lineno, operator,
                                f"{description}: {_line(source, node.lineno)}", func),
                         new_source))

@@ -278,6 +278,30 @@ def test_the_kernel_build_is_keyed_by_source_and_cpu(monkeypatch, tmp_path):
     assert cpu_kernels.build_name() != name
 
 
+
+def test_a_tree_linking_to_the_source_builds_the_same_files(monkeypatch, tmp_path):
+    """The mutation runner's tree links to gpu/: its loader must name the build and
+    hand the builder the source as the checkout does, or each run compiles again."""
+    name = cpu_kernels.build_name()
+    linked = tmp_path / "gpu"
+    linked.symlink_to(cpu_kernels.SOURCE.parent.resolve())
+    monkeypatch.setattr(cpu_kernels, "SOURCE", linked / cpu_kernels.SOURCE.name)
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    assert cpu_kernels.build_name() == name
+    seen = {}
+
+    def fake_load(**kwargs):
+        seen.update(kwargs)
+        return "module"
+
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    assert cpu_kernels.load() == "module"
+    assert seen["sources"] == [str(cpu_kernels.SOURCE.resolve())]
+    assert seen["name"] == name
+
+
 LOAD_AND_REPORT = (
     "import logging, sys; logging.basicConfig(stream=sys.stderr);"
     "from cadence.gpu import cpu_kernels;"

@@ -6,6 +6,8 @@ runner's mutated tree back onto the checkout, so every mutant passed unseen.)"""
 
 from __future__ import annotations
 
+import ast
+
 import pytest
 
 from cadence.spec import mutation
@@ -33,5 +35,19 @@ def test_the_default_run_covers_the_estimator_the_configuration_and_the_check_co
     zero-token plan (the check command's) run against every mutant."""
     assert {"estimate.py", "config.py"} <= set(mutation.FILES)
     assert "tests/spec/test_check_cli.py" in mutation.FAST_SUITES
-    files = {mutant.path for mutant, _ in mutation.enumerate_mutants()}
-    assert {"estimate.py", "config.py"} <= files
+    # Those two files alone: every file's mutants take ~20 s to write out.
+    files = {mutant.path for mutant, _ in mutation.enumerate_mutants(("estimate.py", "config.py"))}
+    assert files == {"estimate.py", "config.py"}
+
+
+def test_each_mutant_changes_one_line_of_the_unmutated_file():
+    """The mutants are written from one tree changed and changed back: a change
+    left behind would show in every later mutant as a second changed line."""
+    for name in ("estimate.py", "policy.py"):
+        original = ast.unparse(ast.parse((mutation.CORE / name).read_text())).splitlines()
+        mutants = mutation.enumerate_mutants((name,))
+        assert len(mutants) > 20
+        for mutant, source in mutants:
+            lines = source.splitlines()
+            assert len(lines) == len(original), mutant.id
+            assert sum(a != b for a, b in zip(lines, original)) == 1, mutant.id
