@@ -377,8 +377,8 @@ def enumerate_mutants(files: tuple[str, ...] = FILES) -> list[tuple[Mutant, str]
             # One tree serves every mutant: change it, write it out, change it back
             # (a fresh parse and walk per mutant made this quadratic: a minute for
             # scheduler.py).
-            touched = [node, getattr(node, "_parent", None)]
-            saved = [_fields_of(t) for t in touched if t is not None]
+            touched = [t for t in (node, getattr(node, "_parent", None)) if t is not None]
+            saved = [_fields_of(t) for t in touched]
             _apply(node, operator, variant)
             try:
                 new_source = ast.unparse(tree)
@@ -386,7 +386,7 @@ def enumerate_mutants(files: tuple[str, ...] = FILES) -> list[tuple[Mutant, str]
             except (SyntaxError, ValueError, RecursionError):
                 continue
             finally:
-                for t, fields in zip((t for t in touched if t is not None), saved):
+                for t, fields in zip(touched, saved):
                     for field, value in fields.items():
                         setattr(t, field, value)
             out.append((Mutant(mid, name, node.lineno, operator,

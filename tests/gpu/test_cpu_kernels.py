@@ -278,7 +278,6 @@ def test_the_kernel_build_is_keyed_by_source_and_cpu(monkeypatch, tmp_path):
     assert cpu_kernels.build_name() != name
 
 
-
 def test_a_tree_linking_to_the_source_builds_the_same_files(monkeypatch, tmp_path):
     """The mutation runner's tree links to gpu/: its loader must name the build and
     hand the builder the source as the checkout does, or each run compiles again."""
