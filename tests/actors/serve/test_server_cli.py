@@ -18,13 +18,14 @@ _WAIT_S = 60.0
 _SERVE = [sys.executable, "-m", "cadence.actors.serve.server"]
 
 
-def start_serve(*args: str, preexec_fn=None) -> tuple[subprocess.Popen, tuple[str, int]]:
-    """Start `serve` on a free port (`preexec_fn` runs in the child before it
-    starts); return it and its address once it listens."""
+def start_serve(*args: str, preexec_fn=None, model: str = "simulated") -> tuple[subprocess.Popen, tuple[str, int]]:
+    """Start `serve` on a free port with `model` (the simulated one steps every
+    millisecond; `preexec_fn` runs in the child before it starts); return it and
+    its address once it listens."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("CADENCE_TOKEN", None)
-    process = subprocess.Popen([*_SERVE, "--port", "0", "--model", "simulated", "--sim-step-us", "1000",
-                                *args],
+    timing = ["--sim-step-us", "1000"] if model == "simulated" else []
+    process = subprocess.Popen([*_SERVE, "--port", "0", "--model", model, *timing, *args],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                preexec_fn=preexec_fn)
     line = process.stdout.readline()  # blocks until the server prints it (or dies)
