@@ -209,9 +209,15 @@ export class Connection {
       if (this.pending.length < 4 + length) break;
       const body = this.pending.subarray(4, 4 + length);
       this.pending = this.pending.subarray(4 + length);
-      const [version, type, payload] = decode(body);
-      if (version !== VERSION) return this.fail(new Error(`protocol version ${version}`));
-      this.dispatch({ type, payload });
+      try {
+        const [version, type, payload] = decode(body);
+        if (version !== VERSION) throw new Error(`protocol version ${version}`);
+        this.dispatch({ type, payload });
+      } catch (err) {
+        // A frame this client cannot read: the connection is of no further use.
+        this.socket.destroy();
+        return this.fail(err);
+      }
     }
   }
 
@@ -255,11 +261,17 @@ export class Connection {
     }
   }
 
+  // The connection is gone: every stream, query and wait ends with connection_lost.
   fail(err) {
     if (this.closed) return;
     this.closed = true;
-    for (const entry of this.streams.values()) entry.resolve({ error: { code: "connection_lost", message: String(err) } });
+    const lost = { code: "connection_lost", message: String(err), fatal: true };
+    for (const entry of this.streams.values()) entry.resolve({ error: lost });
     this.streams.clear();
+    for (const resolve of this.refs.values()) resolve({ error: lost });
+    this.refs.clear();
+    for (const resolve of this.orphanWaiters.splice(0)) resolve(lost);
+    if (this.welcome === null && this.onWelcome) this.onWelcome({ type: "Error", payload: lost });
   }
 
   // Start a stream; resolves with its whole result ({error} if it was refused).
