@@ -11,13 +11,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
+import threading
 from pathlib import Path
 
 import msgpack
 import pytest
 
 from cadence.actors.client import Client
+from cadence.actors.wire import pack_frame
 
 from test_server_cli import start_serve
 
@@ -152,3 +155,44 @@ def test_the_clients_msgpack_codec_round_trips_pythons_msgpack():
                           timeout=_WAIT_S)
     assert done.returncode == 0, done.stderr
     assert msgpack.unpackb(bytes.fromhex(done.stdout), raw=False) == value
+
+
+def _fake_server(replies: list[bytes]) -> tuple[socket.socket, threading.Thread]:
+    """A listener that takes one connection, reads its Hello, sends `replies`
+    (whole frames) and closes."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(1 << 16)
+            for reply in replies:
+                conn.sendall(reply)
+        listener.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return listener, thread
+
+
+def _welcome() -> bytes:
+    payload = {"server": "fake", "model": "fake", "vocab_size": 300, "max_model_len": 64, "block_size": 16,
+               "eos_token_ids": [1], "has_tokenizer": True, "limits": {}}
+    return pack_frame(msgpack.packb([1, "Welcome", payload]))
+
+
+@pytest.mark.parametrize("replies, expect_rc, expect", [
+    # A reply the client cannot read (0xc1 is no msgpack type): one line naming it, no stack.
+    ([pack_frame(b"\xc1")], 1, "0xc1"),
+    # The connection lost while a stream is live: the stream ends with connection_lost.
+    ([_welcome()], 0, "[connection_lost]"),
+])
+def test_the_client_ends_cleanly_when_the_server_misbehaves(replies, expect_rc, expect):
+    listener, thread = _fake_server(replies)
+    port = listener.getsockname()[1]
+    done = subprocess.run([NODE, str(CLIENT), "--port", str(port), "hi"], capture_output=True, text=True,
+                          timeout=_WAIT_S)
+    thread.join(_WAIT_S)
+    assert done.returncode == expect_rc, done.stderr
+    assert expect in done.stdout + done.stderr
+    assert "    at " not in done.stderr  # no uncaught exception's stack
