@@ -274,12 +274,18 @@ export class Connection {
     if (this.welcome === null && this.onWelcome) this.onWelcome({ type: "Error", payload: lost });
   }
 
-  // Start a stream; resolves with its whole result ({error} if it was refused).
-  generate(stream, fields, onOutput = null) {
+  // Route `stream`'s replies; resolves with its whole result ({error} if it was refused).
+  track(stream, onOutput = null) {
     return new Promise((resolve) => {
       this.streams.set(stream, { tokens: [], text: "", num_outputs: 0, accepted: null, onOutput, resolve });
-      this.send("Generate", { stream, ...fields });
     });
+  }
+
+  // Start a stream; resolves as `track` does.
+  generate(stream, fields, onOutput = null) {
+    const result = this.track(stream, onOutput);
+    this.send("Generate", { stream, ...fields });
+    return result;
   }
 
   abort(stream) { this.send("Abort", { stream }); }
@@ -378,9 +384,7 @@ async function checkSession(conn) {
   conn.sendRaw(Buffer.from([0xc1]));
   const garbage = await conn.nextOrphanError();
   report("malformed_frame", { code: garbage.code, fatal: garbage.fatal });
-  const unknown = new Promise((resolve) => {
-    conn.streams.set(30, { tokens: [], text: "", num_outputs: 0, accepted: null, onOutput: null, resolve });
-  });
+  const unknown = conn.track(30);  // no such stream: the Error answering its Abort names it
   conn.abort(30);
   report("unknown_stream", refusal(await unknown));
 

