@@ -37,6 +37,9 @@ Prints one JSON line per run. Usage:
         --set admission_growth_share=0
         # the same with SchedulerConfig fields overridden (repeatable; each row
         # records them under "overrides"): to measure a trade-off, not a default
+    python benchmarks/scheduler_overhead.py --matrix --vllm --vllm-rules --policy fcfs
+        # the core under the vLLM model's own rules (VLLM_RULES): steps equal to the
+        # model's without prefix caching; what is left is Cadence's rules' doing
     python benchmarks/scheduler_overhead.py --waiting-scaling  # 1,000 vs 100,000 waiting, every policy
 """
 
@@ -72,6 +75,24 @@ MAX_TOKENS_MODES = ("exact", "generous")
 # on one GPU (the nano workload ran at ~17 ms per step on the H200).
 STEP_S = 0.02
 MATRIX_POLICIES = ("fcfs", "priority", "fair")
+# SchedulerConfig overrides under which the core follows the vLLM scheduler model's
+# rules (benchmarks/vllm_model.py): no admission margins, admission stops at the
+# first waiting request that does not fit, none after a preemption, and `fcfs`
+# preempts the latest admitted. Given one block fewer (vLLM's null block), the core
+# then plans step for step what the model plans without prefix caching
+# (tests/test_vllm_model.py), so `--vllm-rules` sets apart what Cadence's own rules
+# change from what the two implementations do differently.
+VLLM_RULES = {
+    "admission_growth_share": 0.0, "admission_watermark": 0.0,
+    "predicted_growth_share": 0.0, "predicted_watermark": 0.0,
+    "thrash_growth_share": 0.0, "thrash_watermark": 0.0,
+    "max_lookahead": 0, "admit_after_preemption": False, "fcfs_victim": "latest_admitted",
+}
+
+
+def vllm_rules_engine(engine: dict) -> dict:
+    """A preset's engine for the core under VLLM_RULES: one block fewer, as vLLM's pool."""
+    return {**engine, "num_gpu_blocks": engine["num_gpu_blocks"] - 1}
 
 
 def limits_for(rec: dict, engine: dict, max_tokens: str) -> SamplingLimits:
@@ -161,9 +182,11 @@ def tokens_floor(records: list[dict], block_size: int, prefix_caching: bool) -> 
 
 
 def replay(records: list[dict], engine: dict, policy: str = "fcfs", prefix_caching: bool = True,
-           max_tokens: str = "exact", step_s: float = STEP_S, **overrides) -> dict:
+           max_tokens: str = "exact", step_s: float = STEP_S, on_plan=None, **overrides) -> dict:
     """Run one trace through a fresh scheduler and return the figures. The
-    scheduler's clock reads `step_s` seconds per step; waits are reported in steps."""
+    scheduler's clock reads `step_s` seconds per step; waits are reported in steps.
+    `on_plan`, if given, is called (outside the timed part) with each step's
+    {request id: tokens} that schedules any."""
     if max_tokens not in MAX_TOKENS_MODES:
         raise ValueError(f"max_tokens must be one of {MAX_TOKENS_MODES}, got {max_tokens!r}")
     core = make_scheduler(engine, policy, prefix_caching, **overrides)
@@ -204,6 +227,8 @@ def replay(records: list[dict], engine: dict, policy: str = "fcfs", prefix_cachi
             t0 = counter()
             plan = core.schedule(step * step_s)
             t1 = counter()
+            if on_plan is not None and plan.num_scheduled_tokens:
+                on_plan(dict(plan.num_scheduled_tokens))
             requests = core.requests
             sampled = {}
             for rid in core.sampling_ids(plan):
@@ -390,13 +415,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--waiting-scaling", action="store_true")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="override a SchedulerConfig field in every run; repeatable")
+    ap.add_argument("--vllm-rules", action="store_true",
+                    help="run the core under the vLLM model's rules (VLLM_RULES, one block "
+                         "fewer); --set still applies on top; rows say \"vllm_rules\": true")
     args = ap.parse_args(argv)
     try:
         overrides = parse_overrides(args.set)
     except ValueError as e:
         ap.error(str(e))
-    if overrides and args.waiting_scaling:
-        ap.error("--set applies to trace replays, not --waiting-scaling")
+    if (overrides or args.vllm_rules) and args.waiting_scaling:
+        ap.error("--set and --vllm-rules apply to trace replays, not --waiting-scaling")
+    if args.vllm_rules:
+        overrides = {**VLLM_RULES, **overrides}
     out_file = open(args.out, "a") if args.out else None
 
     def emit(row: dict) -> None:
@@ -426,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     clocks = args.step_s or [STEP_S]
     rows = []
     for name, seed, records, engine in runs:
+        core_engine = vllm_rules_engine(engine) if args.vllm_rules else engine
         for policy in policies:
             vllm_policy = "priority" if policy == "priority" else "fcfs"
             for mode in modes:
@@ -434,13 +465,14 @@ def main(argv: list[str] | None = None) -> int:
                     # The vLLM model reads no clock: one run serves every clock scale.
                     vllm = vllm_replay(records, engine, on, policy=vllm_policy) if args.vllm else None
                     for step_s in clocks:
-                        results = [replay(records, engine, policy, on, mode, step_s, **overrides)
+                        results = [replay(records, core_engine, policy, on, mode, step_s, **overrides)
                                    for _ in range(args.repeat)]
                         results.sort(key=lambda r: r["sched_total_s"])
                         row = {"bench": "scheduler_overhead", "preset": name, "policy": policy,
                                "max_tokens": mode, "prefix_caching": on, "step_s": step_s,
                                **({"seed": seed} if seed is not None else {}),
                                **({"overrides": overrides} if overrides else {}),
+                               **({"vllm_rules": True} if args.vllm_rules else {}),
                                **results[len(results) // 2]}
                         if vllm is not None:
                             row["vllm"] = vllm

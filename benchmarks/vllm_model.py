@@ -396,8 +396,9 @@ class VllmModel:
 
 
 def replay(records: list[dict], engine: dict, prefix_caching: bool = True, check: bool = False,
-           policy: str = "fcfs") -> dict:
-    """Run one trace through the model with scheduler_overhead.replay()'s driver rules."""
+           policy: str = "fcfs", on_plan=None) -> dict:
+    """Run one trace through the model with scheduler_overhead.replay()'s driver rules;
+    `on_plan`, if given, is called with each step's {request id: tokens} that schedules any."""
     model = VllmModel(engine, prefix_caching, policy)
     pending = []
     for r in records:
@@ -416,6 +417,8 @@ def replay(records: list[dict], engine: dict, prefix_caching: bool = True, check
         while pending and pending[-1][0] <= step:
             model.add(pending.pop()[1])
         plan = model.schedule()
+        if on_plan is not None and plan:
+            on_plan({str(req.rid): n for req, n in plan.items()})
         for req in plan:
             if req.first_step is None:
                 req.first_step = step

@@ -10,6 +10,7 @@ from .errors import ConfigError
 
 # How far cached prefix blocks are shared: within a tenant, or among everyone.
 PREFIX_CACHE_SHARING = ("tenant", "global")
+FCFS_VICTIMS = ("least_work", "latest_admitted")
 POLICY_NAMES = ("fcfs", "priority", "strict-priority", "deadline", "fair", "weighted")
 
 
@@ -185,7 +186,21 @@ class SchedulerConfig:
     Protection against vLLM's failure modes
       starvation_skip_limit: steps a waiting request may be passed over for smaller
         ones before it reserves capacity (nothing behind it is admitted until it is).
-      max_lookahead: waiting requests examined per step after one does not fit.
+      max_lookahead: waiting requests examined per step after one does not fit
+        (0: admission stops at the first, as vLLM's does).
+      fcfs_victim: whom `fcfs` preempts when a running request cannot grow:
+        `least_work` (the running request with the fewest computed tokens, so the
+        least recomputation) or `latest_admitted` (the last one admitted, vLLM's
+        choice).
+      admit_after_preemption: whether a step whose running pass preempted may still
+        admit waiting requests; off, it admits none (vLLM's rule). With
+        `max_lookahead` 0, `latest_admitted`, every admission margin at 0 and one
+        block fewer (vLLM keeps a null block), the core plans step for step what
+        the vLLM scheduler model in `benchmarks/vllm_model.py` plans without prefix
+        caching wherever a step's budget holds the prompts it admits (a split
+        prompt's blocks vLLM takes a chunk at a time, the core all at admission;
+        `tests/test_vllm_model.py` checks it), so a difference in the benchmark's
+        counters comes from these rules and the margins alone.
       preempt_for_priority: a waiting request may preempt a running one of strictly
         lower priority, within the three limits below (hysteresis: a preemption
         must be worth the recomputation it throws away).
@@ -297,6 +312,8 @@ class SchedulerConfig:
     enable_batch_sorting: bool = False
     starvation_skip_limit: int = attrs.field(default=32, validator=_at_least(0))
     max_lookahead: int = attrs.field(default=16, validator=_at_least(0))
+    fcfs_victim: str = attrs.field(default="least_work", validator=_one_of("fcfs_victim", FCFS_VICTIMS))
+    admit_after_preemption: bool = True
     preempt_for_priority: bool = True
     preempt_min_priority_gap: int = attrs.field(default=1, validator=_at_least(1))
     preempt_max_recompute_tokens: int = attrs.field(default=1024, validator=_at_least(0))

@@ -150,6 +150,8 @@ class FcfsPolicy(KeyedPolicy):
         return (request.arrival_s,)
 
     def victim(self, running: Sequence[Request]) -> Request:
+        if self.config.fcfs_victim == "latest_admitted":
+            return running[-1]  # the scheduler keeps `running` in admission order
         return max(running, key=lambda r: (-r.num_computed_tokens, r.arrival_s))
 
 

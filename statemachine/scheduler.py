@@ -363,7 +363,9 @@ class Scheduler:
 
         # 2. Waiting requests, in policy order, skipping those that do not fit.
         new_requests: list[NewRequestData] = []
-        if self._failed_admission is not None and self._failed_pass_stands():
+        if preempted and not config.admit_after_preemption:
+            pass  # the running pass preempted: nothing joins in this step
+        elif self._failed_admission is not None and self._failed_pass_stands():
             self.collector.num_admission_memo_hits += 1
         elif self._holds_for_finishing(scheduled):
             self.collector.num_admission_finish_holds += 1

@@ -234,3 +234,26 @@ def test_set_overrides_reach_the_scheduler_and_bad_ones_name_the_field(capsys):
     with pytest.raises(SystemExit):  # that mode builds its own schedulers: refused, not ignored
         scheduler_overhead.main(["--waiting-scaling", "--set", "starvation_skip_limit=0"])
     assert "--waiting-scaling" in capsys.readouterr().err
+
+
+def test_vllm_rules_give_the_models_counters_and_say_so(capsys):
+    """`--vllm-rules` runs the core under VLLM_RULES with one block fewer: on a preset
+    without prefix caching its row's counters are the vLLM model's own, and the row
+    names the rules; `--set` still applies on top (and then the counters part)."""
+    assert scheduler_overhead.parse_overrides(["fcfs_victim=latest_admitted",
+                                               "admit_after_preemption=off"]) == {
+        "fcfs_victim": "latest_admitted", "admit_after_preemption": False}
+    args = ["--preset", "nano", "--caching", "off", "--vllm", "--vllm-rules", "--seed", "24"]
+    assert scheduler_overhead.main(args) == 0
+    row = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert row["vllm_rules"] is True and row["overrides"]["fcfs_victim"] == "latest_admitted"
+    assert row["preemptions"] > 0
+    for key in ("steps", "preemptions", "tokens_scheduled", "recompute_tokens", "median_wait", "p99_wait"):
+        assert row[key] == row["vllm"][key], key
+    assert scheduler_overhead.main(args + ["--set", "fcfs_victim=least_work"]) == 0
+    mixed = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert mixed["overrides"]["fcfs_victim"] == "least_work"
+    assert (mixed["steps"], mixed["preemptions"]) != (row["steps"], row["preemptions"])
+    with pytest.raises(SystemExit):
+        scheduler_overhead.main(["--waiting-scaling", "--vllm-rules"])
+    assert "--waiting-scaling" in capsys.readouterr().err

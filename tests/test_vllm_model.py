@@ -165,3 +165,78 @@ def test_both_policies_report_waits_and_the_cli_labels_the_mode(capsys):
     assert vllm_model.main(["--preset", "prefix", "--max-tokens", "generous", "--policy", "priority"]) == 0
     line = json.loads(capsys.readouterr().out)
     assert line["max_tokens"] == "generous" and line["policy"] == "priority" and line["finished_ok"]
+
+
+# ---- the core under the model's rules plans what the model plans --------------------
+
+import scheduler_overhead  # noqa: E402
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+def plans_of(records: list[dict], engine_: dict, mode: str, **overrides) -> tuple[list, list, dict, dict]:
+    """Every step's plan of the core under VLLM_RULES (with `overrides` on top) and of
+    the model, without prefix caching, and both runs' figures."""
+    core_plans: list[dict] = []
+    model_plans: list[dict] = []
+    rules = {**scheduler_overhead.VLLM_RULES, **overrides}
+    core = scheduler_overhead.replay(records, scheduler_overhead.vllm_rules_engine(engine_), "fcfs",
+                                     False, mode, on_plan=core_plans.append, **rules)
+    model = vllm_model.replay(records, engine_, False, on_plan=model_plans.append)
+    return core_plans, model_plans, core, model
+
+
+@st.composite
+def small_traces(draw) -> tuple[list[dict], dict]:
+    """A few dozen requests arriving in bursts and a pool small enough to preempt.
+    The step's budget holds every prompt a step may admit whole (16 seats of at most
+    160 tokens): where a prompt is split, vLLM takes blocks a chunk at a time while
+    the core takes them for the whole prompt as it admits it (it never admits a
+    request that cannot hold its prompt), a difference of design the rules leave."""
+    n = draw(st.integers(4, 40))
+    out, step = [], 0
+    for i in range(n):
+        step += draw(st.integers(0, 3))
+        out.append({"id": i, "arrival_step": step, "prompt_len": draw(st.integers(1, 90)),
+                    "output_len": draw(st.integers(1, 70)), "priority": 0,
+                    "prefix_group": -1, "prefix_len": 0})
+    blocks = draw(st.integers(12, 80))
+    # A declared limit (generous mode: max_model_len - prompt) must fit the pool.
+    return out, {**engine(blocks), "max_num_seqs": draw(st.integers(2, 16)),
+                 "max_num_batched_tokens": 4096, "max_model_len": (blocks - 1) * 16}
+
+
+@settings(max_examples=60)
+@given(small_traces(), st.sampled_from(["exact", "generous"]))
+def test_the_core_under_vllm_rules_plans_what_the_model_plans(trace, mode):
+    """The core under VLLM_RULES, given one block fewer, schedules the same requests
+    for the same tokens in every step as the model: two implementations of the same
+    rules agree, so a difference in the benchmark's counters is what Cadence's own
+    rules (margins, lookahead, victim, admission after a preemption) do."""
+    records, engine_ = trace
+    core_plans, model_plans, core, model = plans_of(records, engine_, mode)
+    assert core_plans == model_plans
+    assert (core["steps"], core["preemptions"], core["tokens_scheduled"]) == (
+        model["steps"], model["preemptions"], model["tokens_scheduled"])
+
+
+def test_each_vllm_rule_is_needed_to_plan_as_the_model():
+    """Each of the core's own rules plans otherwise on a trace that preempts: without
+    it the plans part (so the agreement above is not one the rules leave untouched)."""
+    records = synthetic_trace(n=80, seed=3)
+    engine_ = {**engine(40), "max_num_batched_tokens": 4096}  # no prompt split (see above)
+    core_plans, model_plans, core, _ = plans_of(records, engine_, "exact")
+    assert core_plans == model_plans and core["preemptions"] > 0
+    for name, value in (("fcfs_victim", "least_work"), ("admit_after_preemption", True),
+                        ("max_lookahead", 16), ("admission_growth_share", 0.95)):
+        other, model_again, _, _ = plans_of(records, engine_, "exact", **{name: value})
+        assert other != model_again, name
+
+
+@pytest.mark.parametrize("preset", ["nano", "prefix"])
+def test_presets_under_vllm_rules_match_the_model(preset):
+    """A whole preset (seed 21, caching off) gives the model's counters under the rules."""
+    records = generate(preset, seed=21)
+    core_plans, model_plans, core, model = plans_of(records, engine_config(preset), "generous")
+    assert len(core_plans) == model["steps"]
+    assert core_plans == model_plans
+    assert core["finished_ok"] and model["finished_ok"]

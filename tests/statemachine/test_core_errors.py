@@ -154,6 +154,7 @@ BAD_SCHEDULER_FIELDS = [
     ("predicted_watermark", 1.0), ("predicted_watermark", -0.1),
     ("predicted_growth_share", 1.5), ("predicted_growth_share", -0.1),
     ("schedule_interval_us", -1), ("max_batch_size", 0), ("policy", "lottery"), ("policy", 3),
+    ("fcfs_victim", "lifo"),
 ]
 
 
