@@ -25,9 +25,9 @@ import attrs
 
 from cadence.statemachine.errors import ConfigError, InvalidRequestError
 
-__all__ = ["CHAT_TEMPLATE_FILE", "ChatTemplate", "ChatTemplateError", "EngineChat", "check_messages",
-           "encode_rendered", "encode_text", "template_messages", "text_size", "MAX_MESSAGES",
-           "MAX_CONTENT_PARTS"]
+__all__ = ["CHAT_TEMPLATE_FILE", "ChatTemplate", "ChatTemplateError", "EngineChat",
+           "check_content_parts", "check_messages", "encode_rendered", "encode_text",
+           "template_messages", "text_size", "MAX_MESSAGES", "MAX_CONTENT_PARTS", "TEXT_PART_TYPES"]
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -38,6 +38,9 @@ SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_t
 # conversation is refused before any of it is rendered.
 MAX_MESSAGES = 8192
 MAX_CONTENT_PARTS = 1024
+# Content part types a text-only model reads. A part of any other type (an image,
+# audio, a file) is refused, not left for the template to drop without a word.
+TEXT_PART_TYPES = ("text", "input_text")
 # A tokenizer_config.json may hold several named templates; this one is used.
 DEFAULT_TEMPLATE_NAME = "default"
 
@@ -121,6 +124,28 @@ def check_messages(messages: object, path: str = "messages") -> list[dict]:
             raise InvalidRequestError(f"{path}[{index}].content has {len(content)} parts, the limit "
                                       f"is {MAX_CONTENT_PARTS}")
     return messages  # type: ignore[return-value]
+
+
+def check_content_parts(messages: Sequence[Mapping[str, Any]], path: str = "messages") -> None:
+    """Refuse a content part the model cannot read: every part of a list content must
+    be an object of a type in TEXT_PART_TYPES with a string `text`; raises
+    InvalidRequestError naming the part. Run where the conversation is rendered (its
+    cost grows with the parts, as rendering's does); `check_messages` first."""
+    for index, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        for number, part in enumerate(content):
+            where = f"{path}[{index}].content[{number}]"
+            if not isinstance(part, dict):
+                raise InvalidRequestError(f"{where} must be an object, got {type(part).__name__}")
+            kind = part.get("type")
+            if kind not in TEXT_PART_TYPES:
+                raise InvalidRequestError(
+                    f"{where}.type is {kind!r:.40}: this model reads text only (parts of type "
+                    f"{' or '.join(map(repr, TEXT_PART_TYPES))})")
+            if not isinstance(part.get("text"), str):
+                raise InvalidRequestError(f"{where}.text must be a string")
 
 
 def template_messages(messages: object) -> object:
@@ -224,6 +249,7 @@ class ChatTemplate:
         import jinja2
 
         check_messages(list(messages))
+        check_content_parts(messages)
         values = {**self.special_tokens, **variables}
         try:
             return self._compiled.render(messages=list(messages), tools=tools, documents=documents,

@@ -122,16 +122,16 @@ def validate_request(
     if isinstance(prompt, str):
         if not limits.has_tokenizer:
             raise InvalidRequestError("prompt: text prompts need a tokenizer; this engine has "
-                                      "none, send token ids instead")
+                                      "none, send token ids instead", field="prompt")
         if not prompt:
-            raise InvalidRequestError("prompt must not be empty")
+            raise InvalidRequestError("prompt must not be empty", field="prompt")
         check_prompt_bytes(prompt, num_output, limits)
     else:
         if isinstance(prompt, (bytes, bytearray, dict)) or not isinstance(prompt, Sequence):
             raise InvalidRequestError(f"prompt must be a str or a list of token ids, "
-                                      f"got {type(prompt).__name__}")
+                                      f"got {type(prompt).__name__}", field="prompt")
         if len(prompt) == 0:
-            raise InvalidRequestError("prompt must hold at least one token")
+            raise InvalidRequestError("prompt must hold at least one token", field="prompt")
         check_fits(len(prompt), num_output, limits.max_model_len)
         check_token_ids("prompt", prompt, limits.vocab_size)
     return params
@@ -140,11 +140,13 @@ def validate_request(
 def _check_params(params: SamplingParams, limits: RequestLimits) -> None:
     vocab = limits.vocab_size
     if params.top_k > vocab:
-        raise InvalidRequestError(f"top_k must be in [0, vocab_size={vocab}], got {params.top_k}")
+        raise InvalidRequestError(f"top_k must be in [0, vocab_size={vocab}], got {params.top_k}",
+                                  field="top_k")
     for field in ("logprobs", "prompt_logprobs"):
         wanted = getattr(params, field)
         if wanted is not None and wanted > vocab:
-            raise InvalidRequestError(f"{field} must be at most vocab_size={vocab}, got {wanted}")
+            raise InvalidRequestError(f"{field} must be at most vocab_size={vocab}, got {wanted}",
+                                      field=field)
     check_token_ids("stop_token_ids", params.stop_token_ids, vocab)
     check_token_ids("logit_bias", [token for token, _ in params.logit_bias], vocab)
     check_token_ids("allowed_token_ids", params.allowed_token_ids or (), vocab)
@@ -152,38 +154,45 @@ def _check_params(params: SamplingParams, limits: RequestLimits) -> None:
         check_token_ids("bad_words_token_ids", word, vocab)
     if params.bad_words and not limits.has_tokenizer:
         raise InvalidRequestError("bad_words need a tokenizer; this engine has none (send "
-                                  "bad_words_token_ids instead)")
+                                  "bad_words_token_ids instead)", field="bad_words")
     stops = params.stop
     if not stops:
         return
     if not limits.has_tokenizer:
-        raise InvalidRequestError("stop: stop strings need a tokenizer; this engine has none")
+        raise InvalidRequestError("stop: stop strings need a tokenizer; this engine has none",
+                                  field="stop")
     most = limits.max_stop_strings
     if most is not None and len(stops) > most:
         raise InvalidRequestError(
-            f"stop holds {len(stops)} strings; the limit is max_stop_strings={most}")
+            f"stop holds {len(stops)} strings; the limit is max_stop_strings={most}", field="stop")
     longest = max(stops, key=len)
     most = limits.max_stop_chars
     if most is not None and len(longest) > most:
         raise InvalidRequestError(f"stop: a string of {len(longest)} characters "
-                                  f"({longest[:32]!r}...); the limit is max_stop_chars={most}")
+                                  f"({longest[:32]!r}...); the limit is max_stop_chars={most}",
+                                  field="stop")
 
 
 def _check_options(priority, tenant, deadline_s, timeout_s, cache_salt) -> None:
     if isinstance(priority, bool) or not isinstance(priority, numbers.Integral) \
             or not -MAX_INT64 - 1 <= priority <= MAX_INT64:
-        raise InvalidRequestError(f"priority must be an int in [-2^63, 2^63 - 1], got {priority!r}")
+        raise InvalidRequestError(f"priority must be an int in [-2^63, 2^63 - 1], got {priority!r}",
+                                  field="priority")
     if type(tenant) is not str or len(tenant) > MAX_TENANT_CHARS:
         raise InvalidRequestError(
-            f"tenant must be a str of at most {MAX_TENANT_CHARS} characters, got {tenant!r:.80}")
+            f"tenant must be a str of at most {MAX_TENANT_CHARS} characters, got {tenant!r:.80}",
+            field="tenant")
     if cache_salt is not None and (type(cache_salt) is not str
                                    or len(cache_salt) > MAX_CACHE_SALT_CHARS):
         raise InvalidRequestError(f"cache_salt must be None or a str of at most "
-                                  f"{MAX_CACHE_SALT_CHARS} characters, got {cache_salt!r:.80}")
+                                  f"{MAX_CACHE_SALT_CHARS} characters, got {cache_salt!r:.80}",
+                                  field="cache_salt")
     if deadline_s is not None and not _finite(deadline_s):
-        raise InvalidRequestError(f"deadline_s must be None or a finite number, got {deadline_s!r}")
+        raise InvalidRequestError(f"deadline_s must be None or a finite number, got {deadline_s!r}",
+                                  field="deadline_s")
     if timeout_s is not None and not (_finite(timeout_s) and timeout_s > 0):
-        raise InvalidRequestError(f"timeout_s must be None or a finite number > 0, got {timeout_s!r}")
+        raise InvalidRequestError(f"timeout_s must be None or a finite number > 0, got {timeout_s!r}",
+                                  field="timeout_s")
 
 
 def _finite(value: object) -> bool:
@@ -225,7 +234,8 @@ def check_token_ids(field: str, token_ids: Sequence[int], vocab_size: int) -> No
         if isinstance(token, bool) or not isinstance(token, numbers.Integral) \
                 or not 0 <= token < vocab_size:
             raise InvalidRequestError(
-                f"{field}[{index}] must be a token id in [0, vocab_size={vocab_size}), got {token!r}")
+                f"{field}[{index}] must be a token id in [0, vocab_size={vocab_size}), got {token!r}",
+                field=field)
 
 
 def check_prompt_bytes(prompt: str, max_tokens: int, limits: RequestLimits) -> None:
@@ -241,7 +251,8 @@ def check_prompt_bytes(prompt: str, max_tokens: int, limits: RequestLimits) -> N
     try:
         num_bytes = len(prompt.encode("utf-8"))
     except UnicodeEncodeError as exc:
-        raise InvalidRequestError(f"prompt is not valid Unicode: {exc.reason} at {exc.start}") from None
+        raise InvalidRequestError(f"prompt is not valid Unicode: {exc.reason} at {exc.start}",
+                                  field="prompt") from None
     check_prompt_num_bytes(num_bytes, max_tokens, limits)
 
 

@@ -17,7 +17,15 @@ class ConfigError(CadenceError, ValueError):
 
 
 class InvalidRequestError(CadenceError, ValueError):
-    """A request field is invalid; the message names the field and the limit."""
+    """A request field is invalid; the message names the field and the limit, and
+    `field`, where the raiser knows it, is the field's name (the HTTP API's `param`)."""
+
+    field: str | None = None
+
+    def __init__(self, *args: object, field: str | None = None) -> None:
+        super().__init__(*args)
+        if field is not None:
+            self.field = field
 
 
 class RequestTooLongError(InvalidRequestError):

@@ -170,3 +170,25 @@ def test_the_demo_model_chats_out_of_the_box():
     assert result.prompt_token_ids == expected
     assert result.prompt_token_ids[0] == 256  # <bos>, written by the template
     assert result.token_ids == plain.token_ids and len(result.token_ids) == 4
+
+
+@pytest.mark.parametrize(("part", "complaint"), [
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+     r"messages\[1\].content\[1\].type is 'image_url': this model reads text only"),
+    ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+     r"messages\[1\].content\[1\].type is 'input_audio'"),
+    ({"text": "no type"}, r"messages\[1\].content\[1\].type is None"),
+    ("a bare string", r"messages\[1\].content\[1\] must be an object, got str"),
+    ({"type": "text", "text": 7}, r"messages\[1\].content\[1\].text must be a string"),
+])
+def test_a_part_the_model_cannot_read_is_refused_not_dropped(part, complaint):
+    """The demo template joins the parts' `text`: an image part would vanish from the
+    prompt without a word, so the model would answer a question about a picture it
+    never saw. Such a part is refused, naming it; text parts render as before."""
+    template = ChatTemplate.from_dir(demo_model_dir())
+    first = {"role": "system", "content": "be brief"}
+    text = {"type": "text", "text": "what is this"}
+    with pytest.raises(ValueError, match=complaint):
+        template.render([first, {"role": "user", "content": [text, part]}])
+    both = template.render([first, {"role": "user", "content": [text, {"type": "input_text", "text": "?"}]}])
+    assert "what is this?" in both

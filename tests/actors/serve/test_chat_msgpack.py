@@ -68,6 +68,8 @@ async def test_a_model_without_a_template_refuses_messages():
     ({"stream": 1, "prompt": "x", "messages": MESSAGES}, "exactly one of prompt and messages"),
     ({"stream": 1}, "exactly one of prompt and messages"),
     ({"stream": 1, "messages": [{"content": "x"}]}, "Generate.messages[0].role"),
+    ({"stream": 1, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0].type is 'image_url': this model reads text only"),
 ])
 async def test_malformed_chat_requests_name_the_problem(payload, expected):
     async with open_server(_demo_engine(), server_config()) as server:

@@ -241,3 +241,40 @@ def test_each_request_gets_one_access_log_line(web, caplog):
             assert time.monotonic() < deadline, lines()
             time.sleep(0.01)
     assert all(float(line.split()[-2]) >= 0 for line in lines()[-3:])
+
+
+def test_an_image_part_is_refused_not_dropped_and_the_engine_serves_on(served):
+    """A chat whose message holds an image, as the openai client sends one, gets a 400
+    naming the part (param `messages`), streamed or not, and the next request is served:
+    a text-only model would otherwise answer about a picture the template dropped."""
+    host, port = served.server.http.address
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    question = [{"role": "user", "content": [{"type": "text", "text": "what is this"}, image]}]
+    with openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key=API_KEY, max_retries=0) as client:
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as caught:
+                client.chat.completions.create(model="demo", messages=question, max_tokens=2, stream=stream)
+            body = caught.value.body
+            assert body["param"] == "messages"
+            assert "messages[0].content[1].type is 'image_url': this model reads text only" in body["message"]
+        text_only = [{"role": "user", "content": [{"type": "text", "text": "what is this"}]}]
+        answer = client.chat.completions.create(model="demo", messages=text_only, max_tokens=2, temperature=0)
+        assert answer.usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize(("field", "value", "says"), [
+    ("stop", [f"s{i}" for i in range(17)], "the limit is max_stop_strings=16"),
+    ("stop", ["y" * 300], "the limit is max_stop_chars=256"),
+    ("logit_bias", {"100000": 1}, "must be a token id in [0, vocab_size="),
+    ("prompt", [1, 2, 10**6], "prompt[2] must be a token id"),
+    ("stop_token_ids", [10**6], "stop_token_ids[0] must be a token id"),
+])
+def test_a_refused_field_is_the_errors_param(served, field, value, says):
+    """A field the engine's validation refuses (not the HTTP parser) is named in the
+    error's `param`, where the openai client's users look for it, beside the message."""
+    host, port = served.server.http.address
+    prompt, extra = (value, {}) if field == "prompt" else ("def ", {field: value})
+    with openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key=API_KEY, max_retries=0) as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model="demo", prompt=prompt, max_tokens=2, extra_body=extra)
+    assert caught.value.body["param"] == field and says in caught.value.body["message"]
