@@ -18,7 +18,11 @@ every 20 ms. The attacks run in a process of their own (this script with
   request head one byte a second and never finishing it (reconnecting whenever
   the server closes one);
 - chunk flood: one completion body after another as 100,000 one-byte chunks;
-- long chat: one chat of 10^5 turns after another.
+- long chat: one chat of 10^5 turns after another;
+- big bias: one completion after another whose sampling fields hold 10^5
+  entries (a logit_bias for each of the simulated model's 257 token ids and
+  99,743 allowed_token_ids), each a valid request of one token (`--attacks bias`; not in the default set,
+  which the recorded figures were taken with).
 
 The attack's own counts (connections opened, refused, closed by the server,
 answers to the floods) are in the attack line. Client, attacks and server share
@@ -53,6 +57,10 @@ _CHAT_TURNS = 100_000
 # Where the floods come from (the slowloris peers are 127.0.0.2 onwards).
 _FLOOD_ADDRESS = "127.0.1.1"
 _ATTACKS = ("slowloris", "chunks", "chat")
+_ALL_ATTACKS = _ATTACKS + ("bias",)
+_BIAS_TOKENS = 257  # the simulated model's vocabulary (its byte tokenizer's)
+_BIAS_ALLOWED = 100_000 - _BIAS_TOKENS
+_BIAS_ADDRESS = "127.0.1.3"
 # The attacks run niced: on a real network their CPU is another machine's, and here it
 # would otherwise be taken from the server's few cores.
 _ATTACKER_NICENESS = 10
@@ -255,6 +263,11 @@ async def _attack(address, args) -> None:
             nursery.start_soon(_flood, address, _FLOOD_ADDRESS, chunked, counts, "chunk_flood")
         if "chat" in args.attacks:
             nursery.start_soon(_flood, address, _CHAT_ADDRESS, chat, counts, "long_chat")
+        if "bias" in args.attacks:
+            bias = _post("/v1/completions", json.dumps(
+                {"prompt": "hi", "max_tokens": 1, "logit_bias": {str(i): 0.0 for i in range(_BIAS_TOKENS)},
+                 "allowed_token_ids": [i % _BIAS_TOKENS for i in range(_BIAS_ALLOWED)]}).encode())
+            nursery.start_soon(_flood, address, _BIAS_ADDRESS, bias, counts, "big_bias")
         print("ready", flush=True)
         await trio.sleep(args.seconds)
         nursery.cancel_scope.cancel()
@@ -270,7 +283,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--slow", type=int, default=1100, help="slowloris connections")
     parser.add_argument("--slow-peers", type=int, default=22, help="addresses they come from")
     parser.add_argument("--attacks", default=",".join(_ATTACKS),
-                        help=f"which attacks, comma-separated (default: all of {','.join(_ATTACKS)})")
+                        help=f"which attacks, comma-separated, of {','.join(_ALL_ATTACKS)} "
+                             f"(default: {','.join(_ATTACKS)})")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--step-us", type=float, default=2000.0, help="simulated step time")
     parser.add_argument("--attack", metavar="HOST:PORT", default=None, help=argparse.SUPPRESS)

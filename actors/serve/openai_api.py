@@ -192,7 +192,10 @@ async def parse_request(body: object, chat: bool, http) -> ApiRequest:
         raise ApiError(400, "stream_options.include_usage: expected bool", param="stream_options")
     logprobs = _logprobs(body, chat)
     echo = bool(_field(body, "echo", check_bool))
-    params = _sampling_params(body, chat, prompts, logprobs, engine)
+    # Built entry by entry: a worker thread takes a large one (`run_sized`), so that a
+    # request carrying 10^5 logit biases cannot stall every other stream meanwhile.
+    params = await http.server.run_sized(_sampling_size(body), _sampling_params, body, chat, prompts,
+                                         logprobs, engine)
     if tools is not None and tools.forced:
         if params.structured_output is not None:
             raise ApiError(400, f"tool_choice {tools.choice!r} constrains the answer to a tool call; "
@@ -338,6 +341,21 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     if top is not None and not wanted:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     return (top or 0) if wanted else None
+
+
+# Request fields whose entries the sampling parameters check and convert one by one.
+_SIZED_SAMPLING_FIELDS = ("logit_bias", "allowed_token_ids", "bad_words", "stop_token_ids", "stop")
+
+
+def _sampling_size(body: dict) -> int:
+    """The entries (or characters) a request's sampling fields hold: what building
+    its parameters costs, for `run_sized`."""
+    size = 0
+    for name in _SIZED_SAMPLING_FIELDS:
+        value = body.get(name)
+        if isinstance(value, (dict, list, str)):
+            size += len(value)
+    return size
 
 
 def _sampling_params(body: dict, chat: bool, prompts: list, logprobs: int | None,

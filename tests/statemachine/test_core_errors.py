@@ -282,3 +282,25 @@ def test_bad_request_names_the_field(args, field):
     """A request needs a non-empty id and at least one prompt token."""
     with pytest.raises(InvalidRequestError, match=field):
         Request(*args)
+
+
+def test_list_fields_are_checked_once_however_often_the_params_are_evolved():
+    """attrs.evolve runs every converter again and the server evolves a request's
+    parameters once per sample: a list field it has already checked comes back as the
+    same object (no entry checked again), equal to and printed as the plain tuple,
+    while a plain value is still checked entry by entry."""
+    import attrs
+
+    from cadence.statemachine.sampling import SamplingParams
+
+    params = SamplingParams(n=3, seed=1, logit_bias={"7": 1.0, 3: -2}, allowed_token_ids=[4, 5],
+                            stop="end", stop_token_ids=[9], bad_words=["x"], bad_words_token_ids=[[1, 2]])
+    fields = ("logit_bias", "allowed_token_ids", "stop", "stop_token_ids", "bad_words", "bad_words_token_ids")
+    for sample in [attrs.evolve(params, temperature=0.5), *params.samples()]:
+        for name in fields:
+            assert getattr(sample, name) is getattr(params, name), name
+    assert params.logit_bias == ((3, -2.0), (7, 1.0)) and repr(params.stop) == "('end',)"
+    with pytest.raises(InvalidRequestError, match="stop"):
+        attrs.evolve(params, stop=("ok", ""))
+    with pytest.raises(InvalidRequestError, match="logit_bias"):
+        attrs.evolve(params, logit_bias=((3, 1000.0),))

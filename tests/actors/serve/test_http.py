@@ -370,3 +370,32 @@ def test_cadence_serve_answers_the_openai_client():
     finally:
         process.terminate()
         process.wait(WAIT_S)
+
+
+async def test_large_sampling_fields_are_built_off_the_event_loop():
+    """The entries of logit_bias, allowed_token_ids, bad_words, stop_token_ids and stop
+    size the build of the parameters for `run_sized`: past OFF_LOOP_PROMPT_CHARS it goes
+    to a worker thread, so a request carrying 10^5 logit biases does not hold up every
+    stream while each entry is checked; a small one is built on the loop as before."""
+    from types import SimpleNamespace
+
+    from cadence.actors.engine import OFF_LOOP_PROMPT_CHARS
+    from cadence.actors.serve.openai_api import parse_request
+
+    sizes = []
+
+    async def run_sized(size, fn, /, *args, **kwargs):
+        sizes.append((size, fn.__name__))
+        return fn(*args, **kwargs)
+
+    engine = SimpleNamespace(core=SimpleNamespace(config=SimpleNamespace(max_model_len=256)))
+    http = SimpleNamespace(config=HttpConfig(), ignored_fields=set(), model_name=MODEL, engine=engine,
+                           server=SimpleNamespace(run_sized=run_sized))
+    many = {str(i): 1.0 for i in range(100_000)}
+    request = await parse_request({"prompt": PROMPT, "max_tokens": 2, "logit_bias": many,
+                                   "allowed_token_ids": [5] * 1000, "stop": ["a", "bc"]}, False, http)
+    assert sizes == [(100_000 + 1000 + 2, "_sampling_params")] and sizes[0][0] > OFF_LOOP_PROMPT_CHARS
+    assert len(request.params.logit_bias) == 100_000
+    sizes.clear()
+    await parse_request({"prompt": PROMPT, "max_tokens": 2, "stop": "end"}, False, http)
+    assert sizes == [(3, "_sampling_params")]
