@@ -138,19 +138,22 @@ class _Checked(tuple):
     converter again, and the server evolves a request's parameters once per sample:
     converting a checked value again returns it at once, so a request carrying 10^5
     logit biases is checked entry by entry once, not n + 1 times on the event loop.
-    Equal to, and printed as, the plain tuple."""
+    Equal to, and printed as, the plain tuple. Each converter has its own subclass,
+    so one field's checked value is checked afresh when given to another field."""
 
     __slots__ = ()
 
 
 def _checked(convert):
     """`convert` with a constant-time answer for a value it has already returned."""
+    kind = type(f"_Checked{convert.__name__}", (_Checked,), {"__slots__": ()})
+
     @functools.wraps(convert)
     def wrapper(value: object):
-        if type(value) is _Checked:
+        if type(value) is kind:
             return value
         out = convert(value)
-        return out if out is None else _Checked(out)
+        return out if out is None else kind(out)
     return wrapper
 
 

@@ -304,3 +304,5 @@ def test_list_fields_are_checked_once_however_often_the_params_are_evolved():
         attrs.evolve(params, stop=("ok", ""))
     with pytest.raises(InvalidRequestError, match="logit_bias"):
         attrs.evolve(params, logit_bias=((3, 1000.0),))
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):  # another field's checked value
+        attrs.evolve(params, stop_token_ids=params.stop)
