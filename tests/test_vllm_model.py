@@ -1,4 +1,5 @@
-"""benchmarks/vllm_model.py: the model of vLLM V1's scheduling rules keeps its invariants."""
+"""benchmarks/vllm_model.py: the model of vLLM V1's scheduling rules keeps its invariants, and
+the core under the same rules (VLLM_RULES) plans step for step what it plans."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 BENCHMARKS = str(Path(__file__).resolve().parent.parent / "benchmarks")
 if BENCHMARKS not in sys.path:
     sys.path.insert(0, BENCHMARKS)
 
+import scheduler_overhead  # noqa: E402
 import vllm_model  # noqa: E402
 from workloads import engine_config, generate  # noqa: E402
 
@@ -168,9 +171,6 @@ def test_both_policies_report_waits_and_the_cli_labels_the_mode(capsys):
 
 
 # ---- the core under the model's rules plans what the model plans --------------------
-
-import scheduler_overhead  # noqa: E402
-from hypothesis import given, settings, strategies as st  # noqa: E402
 
 
 def plans_of(records: list[dict], engine_: dict, mode: str, **overrides) -> tuple[list, list, dict, dict]:
