@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API, served from the same engine as the msgpack protocol.
 
     POST /v1/completions, POST /v1/chat/completions   (JSON, or server-sent events)
+    POST /v1/responses                                 (stateless; responses_api.py)
     POST /tokenize, /detokenize                        (vLLM's shapes)
     GET /v1/models, /v1/models/{id}, /health, /metrics, /version   (and HEAD)
     OPTIONS (CORS preflight for --allowed-origins)
@@ -57,6 +58,7 @@ from .openai_api import (
     POISON_STATUS, ApiError, ApiRequest, Choice, ChunkEncoder, completion_body, detokenize,
     http_structured_message, parse_request, status_of, tokenize, usage_of,
 )
+from .responses_api import RESPONSES_PATH, ResponseWriter, chat_body, renamed
 from .connection import _CAPACITY_ERRNOS, _linger_and_close, positive
 from .identity import TOKEN68, IdentityError, KeyGrant
 from .tools import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
@@ -105,7 +107,9 @@ _SSE_DONE = b"data: [DONE]\n\n"
 _WATCHDOG_CHECKS = 4
 _JSON = [(b"content-type", b"application/json")]
 _EVENT_STREAM = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-_GENERATION_PATHS = {"/v1/completions": False, "/v1/chat/completions": True}
+# Each generation path, and the field holding its conversation (None: a prompt).
+_GENERATION_PATHS = {"/v1/completions": None, "/v1/chat/completions": "messages",
+                     RESPONSES_PATH: "input"}
 _TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize"})
 _ALLOWED_METHODS = b"GET, HEAD, POST, OPTIONS"
 # How long a browser may keep a CORS preflight's answer.
@@ -533,7 +537,7 @@ class HttpServer:
         the connection closes)."""
         headers = {name.lower(): value for name, value in request.headers}
         path = request.target.split(b"?", 1)[0].decode("ascii", "replace")
-        check = _BodyCheck(self.config.max_body_bytes, chat=_GENERATION_PATHS.get(path) is True)
+        check = _BodyCheck(self.config.max_body_bytes, conversation=_GENERATION_PATHS.get(path))
         declared = headers.get(b"content-length")
         error = None if declared is None else check.declared(int(declared))
         body = bytearray()
@@ -583,7 +587,10 @@ class HttpServer:
                 grant = self._authenticate(authorization)
             if path in _GENERATION_PATHS:
                 _allow(method, "POST")
-                await self._generate(exchange, body, _GENERATION_PATHS[path], grant)
+                await self._generate(exchange, body, path, grant)
+            elif path.startswith(RESPONSES_PATH + "/"):
+                raise ApiError(404, "this server stores no responses (each is answered and "
+                                    "forgotten): there is none to read or cancel", code="not_found")
             elif path.startswith("/v1/models/"):
                 _allow(method, "GET")
                 await exchange.send_json(200, self._model(path[len("/v1/models/"):]))
@@ -727,15 +734,31 @@ class HttpServer:
             h11.Data(data=payload), h11.EndOfMessage())
 
     # ---- generation --------------------------------------------------------------
-    async def _generate(self, exchange: _Exchange, body: bytes, chat: bool,
+    async def _generate(self, exchange: _Exchange, body: bytes, path: str,
                         grant: KeyGrant | None) -> None:
+        """A completion, chat or response: parsed, admitted, run and answered."""
+        payload = writer = None
         try:
-            payload = await self._json_body(body)
-            request = await parse_request(payload, chat, self)
+            try:
+                payload = await self._json_body(body)
+                if path == RESPONSES_PATH:
+                    # Its items are checked one by one: a large body's in a worker thread.
+                    chat = await self.server.run_sized(len(body), chat_body, payload, self)
+                    request = await parse_request(chat, True, self)
+                    writer = ResponseWriter(payload, request)
+                else:
+                    request = await parse_request(payload, path != "/v1/completions", self)
+            except ApiError as exc:
+                if exc.status == 400:
+                    _log.warning("HTTP client %s: %s", exchange.peer, exc.message[:200])
+                raise
+            await self._answer(exchange, request, writer, grant)
         except ApiError as exc:
-            if exc.status == 400:
-                _log.warning("HTTP client %s: %s", exchange.peer, exc.message[:200])
-            raise
+            # A response's errors name its own fields (input, max_output_tokens, ...).
+            raise exc if writer is None and path != RESPONSES_PATH else renamed(exc, payload)
+
+    async def _answer(self, exchange: _Exchange, request: ApiRequest, writer: ResponseWriter | None,
+                      grant: KeyGrant | None) -> None:
         choices = self._admit(_narrowed(request, grant), grant)
         # Cancelled when the client goes away: every choice's stream is then
         # abandoned mid-iteration, which aborts its request. What ends the answer
@@ -746,12 +769,15 @@ class HttpServer:
                 nursery.start_soon(exchange.watch_for_disconnect, scope)
                 try:
                     await self._start(request, choices)
-                    if request.stream:
+                    if request.stream and writer is not None:
+                        await self._stream_response(exchange, request, choices[0], writer, scope)
+                    elif request.stream:
                         await self._stream(exchange, request, choices, scope)
                     else:
                         await self._run_choices(request, choices, None)
                         _raise_first_error(choices, self.server.draining)
-                        body = completion_body(request, choices, self)
+                        body = (completion_body(request, choices, self) if writer is None
+                                else writer.whole(choices[0], self))
                         await self._give_back(choices)
                         await exchange.send_json(200, body)
                 except (ApiError, _ClientGone) as exc:
@@ -933,6 +959,32 @@ class HttpServer:
         await exchange.send_bytes(b"".join(tail))
         await exchange.send(h11.EndOfMessage())
 
+    async def _stream_response(self, exchange: _Exchange, request: ApiRequest, choice: Choice,
+                               writer: ResponseWriter, scope: trio.CancelScope) -> None:
+        """A streamed response: its typed events, as the choice's text and calls arrive."""
+        frame = exchange.body_frame
+        await exchange.send(_response(200, _EVENT_STREAM))
+        await exchange.send_bytes(frame(b"".join(writer.opening())))
+        token_text = self.token_text
+
+        async def emit(choice: Choice, out) -> None:
+            events = writer.delta_events(choice, out, token_text)
+            if events:
+                try:
+                    await exchange.send_bytes(frame(b"".join(events)))
+                except _ClientGone:
+                    scope.cancel()
+
+        await self._run_choices(request, [choice], emit)
+        error = None
+        if choice.error is not None:
+            # The headers are gone: the error ends the stream as a failed response.
+            error = renamed(_api_error(choice.error, self.server.draining, request), writer.body)
+        tail = writer.closing(choice, error)
+        await self._give_back([choice])
+        await exchange.send_bytes(frame(b"".join(tail)))
+        await exchange.send(h11.EndOfMessage())
+
 
 def _peer_of(stream: trio.SocketStream) -> str:
     """The peer's address without its port: what max_connections_per_peer counts."""
@@ -1041,13 +1093,13 @@ class _BodyCheck:
     """The limits a request body is held to as it arrives, each piece (a chunk, or what
     one read brought) checked once: at most `max_bytes`; past _FREE_BODY_PIECES
     pieces, at least _MIN_PIECE_BYTES a piece on average (a flood of one-byte chunks
-    is refused after milliseconds of parsing); for a chat, at most MAX_MESSAGES
+    is refused after milliseconds of parsing); for a chat or a response, at most MAX_MESSAGES
     `"role"` keys (each message has one), so a conversation of 10^5 turns is refused
     after its first quarter megabyte, never parsed. One that spells its keys
     otherwise (escapes) is still refused by `check_messages` once parsed."""
 
-    def __init__(self, max_bytes: int, chat: bool) -> None:
-        self.max_bytes, self.chat = max_bytes, chat
+    def __init__(self, max_bytes: int, conversation: str | None) -> None:
+        self.max_bytes, self.conversation = max_bytes, conversation
         self.num_bytes = self.num_pieces = self.num_roles = 0
         self._tail = b""  # the last bytes of the body, for a key split across pieces
 
@@ -1070,14 +1122,14 @@ class _BodyCheck:
                                  f"{self.num_bytes // self.num_pieces} bytes on average; past "
                                  f"{_FREE_BODY_PIECES}, chunks must average {_MIN_PIECE_BYTES} bytes",
                             code="body_chunks_too_small")
-        if self.chat:
+        if self.conversation is not None:
             window = self._tail + data
             self.num_roles += window.count(_ROLE_KEY)
             self._tail = window[1 - len(_ROLE_KEY):]
             if self.num_roles > MAX_MESSAGES:
-                return ApiError(400, f"messages: the body holds more than {MAX_MESSAGES} \"role\" "
-                                     f"keys, the most messages a conversation may have",
-                                param="messages")
+                return ApiError(400, f"{self.conversation}: the body holds more than {MAX_MESSAGES} "
+                                     f"\"role\" keys, the most messages a conversation may have",
+                                param=self.conversation)
         return None
 
 
