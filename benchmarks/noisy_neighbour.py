@@ -11,13 +11,17 @@ come from the server's own work (event loop, tokenisation, stop strings,
 writes), not from a bigger batch. Every client is the msgpack client of
 `cadence.actors.client`, in this process (Trio). A well-behaved client runs
 `--requests` requests one after another (a 32-token prompt, `--max-tokens`
-tokens). The abusers take turns at three kinds of abuse, cycling:
+tokens). The abusers take turns at the kinds of abuse in `--kinds`, cycling:
 
 - stop: requests with `--stop-strings` stop strings of `--stop-chars`
   characters each (by default the server's default limit), none of which
   ever matches, so each is checked against every token;
 - prompt: text prompts of `--prompt-bytes` bytes (just under the frame limit),
   over and over (refused as too long, after the server has read them);
+- frame: valid one-token requests whose frames hold 10^5 sampling entries (a
+  logit_bias for each of the simulated model's 257 token ids and 99,743
+  allowed_token_ids), one after another: each entry is checked as the frame is
+  decoded (not in the default kinds, which the recorded figures were taken with);
 - silent: a connection that starts `--silent-streams` streams as long as the
   model allows and never reads after the Welcome (the server holds their output,
   then closes the connection once it holds `max_unsent_bytes`, or after its send
@@ -109,6 +113,18 @@ async def _abuse_prompt(address, args, done: trio.Event) -> None:
                 pass  # too long: the point was making the server read and refuse it
 
 
+_FRAME_VOCAB = 257  # the simulated model's vocabulary (its byte tokenizer's)
+_FRAME_ENTRIES = 100_000
+
+
+async def _abuse_frame(address, args, done: trio.Event) -> None:
+    params = SamplingParams(max_tokens=1, logit_bias={i: 0.0 for i in range(_FRAME_VOCAB)},
+                            allowed_token_ids=[i % _FRAME_VOCAB for i in range(_FRAME_ENTRIES - _FRAME_VOCAB)])
+    async with open_client(address, timeout_s=_WAIT_S) as client:
+        while not done.is_set():
+            await client.complete("hi", params)
+
+
 async def _abuse_silent(address, args, done: trio.Event) -> None:
     while not done.is_set():
         sock = trio.socket.socket()
@@ -144,7 +160,7 @@ async def _first_frame(stream: trio.SocketStream):
     return decode_reply(frame)
 
 
-_ABUSE = {"stop": _abuse_stop, "prompt": _abuse_prompt, "silent": _abuse_silent}
+_ABUSE = {"stop": _abuse_stop, "prompt": _abuse_prompt, "silent": _abuse_silent, "frame": _abuse_frame}
 
 
 async def _abuse(address, args) -> None:
@@ -226,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-bytes", type=int, default=(1 << 20) - 1024)
     parser.add_argument("--silent-streams", type=int, default=8)
     parser.add_argument("--kinds", default="stop,prompt,silent",
-                        help="kinds of abuse the abusers take in turn")
+                        help="kinds of abuse the abusers take in turn (stop, prompt, silent, frame)")
     parser.add_argument("--warmup-s", type=float, default=1.0)
     parser.add_argument("--elsewhere", action="store_true",
                         help="abusers load a second server process (CPU contention alone)")

@@ -991,7 +991,9 @@ class Connection:
         self._idle_since = trio.current_time()
         self._frame_bytes = len(frame) if elided is None else elided[1]
         try:
-            message = decode_request(frame)
+            # Decoding checks every entry (a prompt's ids, 10^5 logit biases): a large
+            # frame is decoded in a worker thread, so it does not hold up every stream.
+            message = await self.front.run_sized(len(frame), decode_request, frame)
         except MessageError as exc:
             await self._on_bad_message(exc)
             return

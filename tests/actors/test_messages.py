@@ -513,3 +513,19 @@ def test_decode_plan_round_trip_takes_well_under_a_millisecond():
             decode(encode(output))
         samples.append((time.thread_time_ns() - start) / 10 / 1000)
     assert statistics.median(samples) < 1000, f"median plan+output round trip {statistics.median(samples):.0f} us"
+
+
+@given(st.lists(st.one_of(st.integers(-2, 2**64), st.booleans(), st.floats(0, 1), st.text(max_size=1)),
+                max_size=6))
+def test_wire_int_arrays_are_decided_as_entry_by_entry(values):
+    """The msgpack decoder's int arrays (prompt ids, token-id fields) take the same
+    builtins fast path: accepted exactly when every entry is a plain int, the first
+    other one named."""
+    from cadence.actors.wire import MessageError, _int_array
+
+    bad = next(((i, v) for i, v in enumerate(values) if type(v) is not int), None)
+    if bad is None:
+        assert _int_array(values, "p") is values
+    else:
+        with pytest.raises(MessageError, match=rf"p\[{bad[0]}\]: expected int"):
+            _int_array(values, "p")

@@ -7,6 +7,8 @@ import math
 import re
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from cadence.statemachine import errors
 from cadence.statemachine.config import CacheConfig, SchedulerConfig
@@ -306,3 +308,43 @@ def test_list_fields_are_checked_once_however_often_the_params_are_evolved():
         attrs.evolve(params, logit_bias=((3, 1000.0),))
     with pytest.raises(InvalidRequestError, match="stop_token_ids"):  # another field's checked value
         attrs.evolve(params, stop_token_ids=params.stop)
+
+
+_TOKEN_LIKE = st.one_of(st.integers(-3, 5), st.just(2**63), st.booleans(), st.floats(0, 3),
+                        st.sampled_from(["1", None]))
+
+
+@given(st.lists(_TOKEN_LIKE, max_size=6), st.sampled_from(["allowed_token_ids", "stop_token_ids"]))
+def test_token_id_lists_are_decided_as_entry_by_entry(values, field):
+    """Token-id lists of plain ints are checked by builtins (map, set, min, max): the
+    fast path accepts and refuses exactly what checking entry by entry would, with
+    the same first offending entry named."""
+    import operator
+
+    from cadence.statemachine.sampling import MAX_INT64, SamplingParams
+
+    def reference():
+        out = []
+        for value in values:
+            if isinstance(value, bool):
+                return f"an int, not a bool, got {value!r}"
+            try:
+                token = operator.index(value)
+            except TypeError:
+                return f"an int, got {value!r}"
+            out.append(token)
+        for token in out:
+            if not 0 <= token <= MAX_INT64:
+                return f"token ids in [0, vocab_size), got {token!r}"
+        if field == "allowed_token_ids" and not out:
+            return "None or a non-empty list"
+        return tuple(out)
+
+    want = reference()
+    try:
+        got = tuple(getattr(SamplingParams(**{field: values}), field))
+    except InvalidRequestError as exc:
+        assert isinstance(want, str) and want in str(exc), (values, str(exc))
+    else:
+        assert got == want and all(type(token) is int for token in got)
+
