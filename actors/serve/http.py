@@ -1074,14 +1074,23 @@ def decode_body(body: bytes) -> object:
             continue
         if isinstance(value, dict):
             items = value.items()
+            inner = value.values()
         elif isinstance(value, list):
-            items = enumerate(value)
+            items = inner = value
         else:
             continue
         if depth >= MAX_JSON_DEPTH:
             path = _path_of(trail)
             raise ApiError(400, f"{path or 'the body'} is nested deeper than {MAX_JSON_DEPTH} levels",
                            param=_top_field(trail))
+        # A container of numbers (and, without escaped surrogates, strings) holds nothing
+        # to check: its types are read by builtins, not its entries pushed one by one (a
+        # list of 10^5 token ids took 86 ms that way).
+        if set(map(type, inner)) <= (_UNCHECKED_SCALARS if check_surrogates else _UNCHECKED_LEAVES) \
+                and not (check_surrogates and isinstance(value, dict)):
+            continue
+        if isinstance(value, list):
+            items = enumerate(value)
         for key, item in items:
             if check_surrogates and isinstance(key, str):
                 _check_encodable(key, trail)
@@ -1136,6 +1145,10 @@ class _BodyCheck:
 _ROLE_KEY = b'"role"'
 # A JSON escape of a UTF-16 surrogate: only bodies holding one can decode to a lone one.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# Leaves decode_body need not look at: numbers, booleans and null always; strings too
+# where the body escapes no surrogate.
+_UNCHECKED_SCALARS = frozenset({int, float, bool, type(None)})
+_UNCHECKED_LEAVES = _UNCHECKED_SCALARS | {str}
 # RFC 6750's b64token after the scheme (case-insensitive), one space between.
 _BEARER = re.compile(rb"[Bb][Ee][Aa][Rr][Ee][Rr] (" + TOKEN68.encode() + rb")")
 
