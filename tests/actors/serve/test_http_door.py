@@ -502,38 +502,6 @@ def test_serve_options_for_keys_and_the_door(tmp_path):
         http_config_from_args(both)
 
 
-def _reference_decode(body: bytes):
-    """decode_body's walk as first written, every entry pushed and looked at: the
-    specification its fast path (flat containers skipped by their types) must meet."""
-    from cadence.actors.serve.http import (
-        MAX_JSON_DEPTH, ApiError, _SURROGATE_ESCAPE, _check_encodable, _path_of, _top_field,
-    )
-
-    payload = json.loads(body)
-    check_surrogates = _SURROGATE_ESCAPE.search(body) is not None
-    pending = [(payload, 0, None)]
-    while pending:
-        value, depth, trail = pending.pop()
-        if isinstance(value, str):
-            if check_surrogates:
-                _check_encodable(value, trail)
-            continue
-        if isinstance(value, dict):
-            items = value.items()
-        elif isinstance(value, list):
-            items = enumerate(value)
-        else:
-            continue
-        if depth >= MAX_JSON_DEPTH:
-            raise ApiError(400, f"{_path_of(trail) or 'the body'} is nested deeper than {MAX_JSON_DEPTH} "
-                                "levels", param=_top_field(trail))
-        for key, item in items:
-            if check_surrogates and isinstance(key, str):
-                _check_encodable(key, trail)
-            pending.append((item, depth + 1, (trail, key)))
-    return payload
-
-
 _JSON_TEXT = st.text(alphabet=st.sampled_from(["a", "\ud800", "\udc00", "é"]), max_size=3)
 _JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | _JSON_TEXT,
@@ -545,14 +513,14 @@ _JSON_VALUES = st.recursive(
 def test_decode_body_decides_as_the_entry_by_entry_walk(value, depth, wrap):
     """Bodies drawn with lone surrogates, flat and mixed containers, and nesting past
     MAX_JSON_DEPTH: the same payload, or the same refusal (message and param), as
-    walking every entry."""
+    walking every entry (decode_body's own walk with its fast path off)."""
     from cadence.actors.serve.http import ApiError, decode_body
 
     for _ in range(depth):
         value = [value] if wrap == "list" else {"k": value}
     body = json.dumps({"prompt": value}).encode()
     try:
-        want = ("ok", _reference_decode(body))
+        want = ("ok", decode_body(body, walk_every_entry=True))
     except ApiError as exc:
         want = ("refused", exc.message, exc.param)
     try:
