@@ -254,17 +254,27 @@ def _top_k(value: object) -> object:
 
 @_checked
 def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
-    """{token id: bias} (keys may be digit strings, as JSON carries them) or
+    """{token id: bias} (keys may be ASCII digit strings, as JSON carries them) or
     (token id, bias) pairs, kept as sorted pairs."""
     if value is None:
         return ()
+    if isinstance(value, Mapping):
+        fast = _logit_bias_map(value)
+        if fast is not None:
+            return fast
+    return _logit_bias_pairs(value)
+
+
+def _logit_bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
+    """`_logit_bias` entry by entry: any map or list of pairs, refused naming the
+    first bad entry."""
     items = value.items() if isinstance(value, Mapping) else _as_tuple("logit_bias", value)
     pairs = {}
     for item in items:
         if not isinstance(item, (tuple, list)) or len(item) != 2:
             raise _refuse("logit_bias", "a map of token ids to numbers", value)
         token, bias = item
-        if isinstance(token, str) and token.isdigit():
+        if isinstance(token, str) and token.isascii() and token.isdigit():
             token = int(token)
         token = _as_int("logit_bias", token)
         if not 0 <= token <= MAX_INT64:
@@ -274,6 +284,26 @@ def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
             raise _refuse("logit_bias", f"values in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]", bias)
         pairs[token] = bias
     return tuple(sorted(pairs.items()))
+
+
+def _logit_bias_map(value: Mapping) -> tuple[tuple[int, float], ...] | None:
+    """A logit_bias map of plain int (or ASCII digit string) keys and plain float or
+    int biases, all in range, converted by builtins (10^5 entries took 142 ms one by
+    one); None for any other map, which `_logit_bias` then checks entry by entry (and
+    refuses naming the first bad entry)."""
+    keys, biases = list(value), list(value.values())
+    if not keys or not set(map(type, biases)) <= {float, int}:
+        return None
+    if not math.isfinite(sum(biases)) or not -MAX_LOGIT_BIAS <= min(biases) <= max(biases) <= MAX_LOGIT_BIAS:
+        return None
+    kinds = set(map(type, keys))
+    if kinds == {str} and "".join(keys).isascii() and all(map(str.isdigit, keys)):
+        keys = list(map(int, keys))
+    elif kinds != {int}:
+        return None
+    if not 0 <= min(keys) <= max(keys) <= MAX_INT64:
+        return None
+    return tuple(sorted(dict(zip(keys, map(float, biases))).items()))
 
 
 @_checked

@@ -7,7 +7,7 @@ import math
 import re
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from cadence.statemachine import errors
@@ -348,3 +348,33 @@ def test_token_id_lists_are_decided_as_entry_by_entry(values, field):
     else:
         assert got == want and all(type(token) is int for token in got)
 
+
+
+_BIAS_KEYS = st.one_of(st.integers(-2, 40), st.just(2**63), st.booleans(),
+                       st.sampled_from(["7", "07", "²", "٣", " 5", "+5", "1_0", "x", ""]))
+_BIASES = st.one_of(st.floats(-150, 150), st.integers(-120, 120), st.booleans(),
+                    st.sampled_from([float("nan"), float("inf"), -float("inf"), 1e308, None]))
+
+
+@given(st.dictionaries(_BIAS_KEYS, _BIASES, max_size=6))
+@example({3: 1.0, 4: float("nan")})  # a NaN after a number: min and max both skip it
+@example({"3": 1.0, "٣": 2.0})
+def test_logit_bias_maps_are_decided_as_entry_by_entry(value):
+    """A logit_bias map of plain ints / digit strings and numbers is converted by
+    builtins; wherever it takes that path, it gives exactly what checking entry by
+    entry gives, and it never takes a map the entry-by-entry check refuses."""
+    from cadence.statemachine.sampling import _logit_bias_map, _logit_bias_pairs
+
+    try:
+        want = _logit_bias_pairs(value)
+    except InvalidRequestError as exc:
+        want = exc
+    fast = _logit_bias_map(value) if value else None
+    if fast is not None:
+        assert fast == want and all(type(b) is float for _, b in fast)
+    try:
+        got = SamplingParams(logit_bias=value).logit_bias
+    except InvalidRequestError as exc:
+        assert isinstance(want, InvalidRequestError) and str(exc) == str(want)
+    else:
+        assert got == want

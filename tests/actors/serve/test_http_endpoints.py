@@ -266,6 +266,9 @@ def test_an_image_part_is_refused_not_dropped_and_the_engine_serves_on(served):
     ("stop", [f"s{i}" for i in range(17)], "the limit is max_stop_strings=16"),
     ("stop", ["y" * 300], "the limit is max_stop_chars=256"),
     ("logit_bias", {"100000": 1}, "must be a token id in [0, vocab_size="),
+    # int() reads "²" as no number and "٣" as 3: only ASCII digits are token ids.
+    ("logit_bias", {"²": 1}, "logit_bias must be an int, got '²'"),
+    ("logit_bias", {"٣": 1}, "logit_bias must be an int, got '٣'"),
     ("prompt", [1, 2, 10**6], "prompt[2] must be a token id"),
     ("stop_token_ids", [10**6], "stop_token_ids[0] must be a token id"),
 ])
