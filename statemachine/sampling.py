@@ -294,7 +294,8 @@ def _logit_bias_map(value: Mapping) -> tuple[tuple[int, float], ...] | None:
     keys, biases = list(value), list(value.values())
     if not keys or not set(map(type, biases)) <= {float, int}:
         return None
-    if not math.isfinite(sum(biases)) or not -MAX_LOGIT_BIAS <= min(biases) <= max(biases) <= MAX_LOGIT_BIAS:
+    # The range first (exact for ints of any size), then NaN, which min and max can pass over.
+    if not -MAX_LOGIT_BIAS <= min(biases) <= max(biases) <= MAX_LOGIT_BIAS or not math.isfinite(sum(biases)):
         return None
     kinds = set(map(type, keys))
     if kinds == {str} and "".join(keys).isascii() and all(map(str.isdigit, keys)):

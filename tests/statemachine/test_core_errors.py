@@ -353,12 +353,14 @@ def test_token_id_lists_are_decided_as_entry_by_entry(values, field):
 _BIAS_KEYS = st.one_of(st.integers(-2, 40), st.just(2**63), st.booleans(),
                        st.sampled_from(["7", "07", "²", "٣", " 5", "+5", "1_0", "x", ""]))
 _BIASES = st.one_of(st.floats(-150, 150), st.integers(-120, 120), st.booleans(),
-                    st.sampled_from([float("nan"), float("inf"), -float("inf"), 1e308, None]))
+                    st.sampled_from([float("nan"), float("inf"), -float("inf"), 1e308, 10**400, -10**400,
+                                     None]))
 
 
 @given(st.dictionaries(_BIAS_KEYS, _BIASES, max_size=6))
 @example({3: 1.0, 4: float("nan")})  # a NaN after a number: min and max both skip it
 @example({"3": 1.0, "٣": 2.0})
+@example({5: 10**400})  # past what a float holds: refused, not an OverflowError
 def test_logit_bias_maps_are_decided_as_entry_by_entry(value):
     """A logit_bias map of plain ints / digit strings and numbers is converted by
     builtins; wherever it takes that path, it gives exactly what checking entry by
