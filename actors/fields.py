@@ -45,7 +45,11 @@ def check_float(value: object, path: str, finite: bool = False) -> float:
             raise ProtocolError(f"{path}: must be finite, got {value}")
         return value  # type: ignore[return-value]
     if type(value) is int:
-        return float(value)  # type: ignore[arg-type]
+        try:
+            return float(value)  # type: ignore[arg-type]
+        except OverflowError:  # JSON spells integers of any size
+            raise ProtocolError(f"{path}: must be a finite number, got an integer of "
+                                f"{len(str(abs(value)))} digits") from None  # type: ignore[arg-type]
     raise wrong(path, "float", value)
 
 

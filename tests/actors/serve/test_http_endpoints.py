@@ -269,6 +269,9 @@ def test_an_image_part_is_refused_not_dropped_and_the_engine_serves_on(served):
     # int() reads "²" as no number and "٣" as 3: only ASCII digits are token ids.
     ("logit_bias", {"²": 1}, "logit_bias must be an int, got '²'"),
     ("logit_bias", {"٣": 1}, "logit_bias must be an int, got '٣'"),
+    # JSON integers of any size: past what a float holds (the connection was dropped).
+    ("temperature", 10**400, "temperature: must be a finite number, got an integer of 401 digits"),
+    ("deadline_s", -10**400, "deadline_s: must be a finite number, got an integer of 401 digits"),
     ("prompt", [1, 2, 10**6], "prompt[2] must be a token id"),
     ("stop_token_ids", [10**6], "stop_token_ids[0] must be a token id"),
 ])
