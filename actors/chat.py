@@ -256,6 +256,11 @@ class ChatTemplate:
                                          add_generation_prompt=add_generation_prompt, **values)
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"the chat template refused the conversation: {exc}") from None
+        except Exception as exc:
+            # The template is the model's and fixed: what fails in it is this request's
+            # conversation (`tool_calls: 1`, which a template iterates), not the engine.
+            raise ChatTemplateError(f"the chat template could not render the conversation: "
+                                    f"{type(exc).__name__}: {str(exc)[:200]}") from None
 
 
 def encode_rendered(tokenizer, text: str) -> list[int]:

@@ -162,7 +162,7 @@ def _messages(body: dict) -> list[dict]:
         item_type = item.get("type", "message")
         if item_type == "message":
             role = item.get("role")
-            if role not in _MESSAGE_ROLES:
+            if not isinstance(role, str) or role not in _MESSAGE_ROLES:
                 raise ApiError(400, f"{where}.role must be one of {', '.join(_MESSAGE_ROLES)}, "
                                     f"got {role!r:.40}", param="input")
             messages.append({"role": _MESSAGE_ROLES[role], "content": _content(item.get("content"), where)})

@@ -153,6 +153,15 @@ def test_the_sandbox_refuses_reaching_python_internals():
         template.render([{"role": "user", "content": "x"}])
 
 
+def test_a_conversation_the_template_cannot_render_is_a_chat_template_error():
+    """What fails inside the template on a request's own values (a number where it
+    iterates tool calls) is that request's error, not an engine fault."""
+    template = ChatTemplate("{% for m in messages %}{% for call in m.tool_calls %}x{% endfor %}{% endfor %}")
+    with pytest.raises(ChatTemplateError, match="could not render the conversation: TypeError"):
+        template.render([{"role": "assistant", "content": None, "tool_calls": 1}])
+    assert template.render([{"role": "assistant", "content": None, "tool_calls": [{}, {}]}]) == "xx"
+
+
 def test_a_malformed_conversation_names_the_message():
     template = ChatTemplate("{{ messages | length }}")
     with pytest.raises(ValueError, match=r"messages\[1\].role"):
