@@ -328,8 +328,10 @@ def _bad_words(value: object) -> tuple[str, ...]:
 
 @_checked
 def _bad_words_token_ids(value: object) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(_as_int("bad_words_token_ids", t) for t in _as_tuple("bad_words_token_ids", word))
-                 for word in _as_tuple("bad_words_token_ids", value))
+    words = tuple(_token_ids("bad_words_token_ids", word) for word in _as_tuple("bad_words_token_ids", value))
+    if any(not word for word in words):  # an empty word bans nothing, and the sampler indexes its last id
+        raise _refuse("bad_words_token_ids", "non-empty lists of token ids", [list(word) for word in words])
+    return words
 
 
 def _token_ids(field: str, value: object) -> tuple[int, ...]:

@@ -380,3 +380,12 @@ def test_logit_bias_maps_are_decided_as_entry_by_entry(value):
         assert isinstance(want, InvalidRequestError) and str(exc) == str(want)
     else:
         assert got == want
+
+
+@pytest.mark.parametrize("words", [[[]], [[1, 2], []], [[1, -1]], [[True]]])
+def test_a_banned_word_is_a_non_empty_list_of_token_ids(words):
+    """An empty word bans nothing and the sampler reads each word's last id: refused at
+    the door, as a negative or bool id is, never left for the executor to fail on."""
+    with pytest.raises(InvalidRequestError, match="bad_words_token_ids"):
+        SamplingParams(bad_words_token_ids=words)
+    assert SamplingParams(bad_words_token_ids=[[1, 2], [3]]).bad_words_token_ids == ((1, 2), (3,))
