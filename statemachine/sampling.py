@@ -329,8 +329,10 @@ def _bad_words(value: object) -> tuple[str, ...]:
 @_checked
 def _bad_words_token_ids(value: object) -> tuple[tuple[int, ...], ...]:
     words = tuple(_token_ids("bad_words_token_ids", word) for word in _as_tuple("bad_words_token_ids", value))
-    if any(not word for word in words):  # an empty word bans nothing, and the sampler indexes its last id
-        raise _refuse("bad_words_token_ids", "non-empty lists of token ids", [list(word) for word in words])
+    empty = next((index for index, word in enumerate(words) if not word), None)
+    if empty is not None:  # an empty word bans nothing, and the sampler indexes its last id
+        raise InvalidRequestError(f"bad_words_token_ids[{empty}] is empty: each banned word must be a "
+                                  "non-empty list of token ids")
     return words
 
 

@@ -755,7 +755,7 @@ class HttpServer:
             await self._answer(exchange, request, writer, grant)
         except ApiError as exc:
             # A response's errors name its own fields (input, max_output_tokens, ...).
-            raise exc if writer is None and path != RESPONSES_PATH else renamed(exc, payload)
+            raise renamed(exc, payload) if path == RESPONSES_PATH else exc
 
     async def _answer(self, exchange: _Exchange, request: ApiRequest, writer: ResponseWriter | None,
                       grant: KeyGrant | None) -> None:

@@ -165,7 +165,7 @@ def _messages(body: dict) -> list[dict]:
             if not isinstance(role, str) or role not in _MESSAGE_ROLES:
                 raise ApiError(400, f"{where}.role must be one of {', '.join(_MESSAGE_ROLES)}, "
                                     f"got {role!r:.40}", param="input")
-            messages.append({"role": _MESSAGE_ROLES[role], "content": _content(item.get("content"), where)})
+            messages.append({"role": _MESSAGE_ROLES[role], "content": _content(item.get("content"), f"{where}.content")})
         elif item_type == "function_call":
             call = {"id": _string(item, "call_id", where), "type": "function",
                     "function": {"name": _string(item, "name", where),
@@ -177,7 +177,7 @@ def _messages(body: dict) -> list[dict]:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif item_type == "function_call_output":
             output = item.get("output")
-            content = output if isinstance(output, str) else _content(output, f"{where}.output", "output")
+            content = output if isinstance(output, str) else _content(output, f"{where}.output")
             messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
                              "content": content})
         elif item_type == "reasoning":
@@ -197,12 +197,12 @@ def _string(item: dict, name: str, where: str) -> str:
     return value
 
 
-def _content(content: object, where: str, field: str = "content") -> str | list:
-    """A message's content: a string, or text parts (input_text, output_text) as the
-    chat's text parts; any other part is refused (this model reads text only)."""
+def _content(content: object, path: str) -> str | list:
+    """A message's content (at `path`): a string, or text parts (input_text,
+    output_text) as the chat's text parts; any other part is refused (this model
+    reads text only)."""
     if isinstance(content, str):
         return content
-    path = where if field == "output" else f"{where}.content"
     if not isinstance(content, list):
         raise ApiError(400, f"{path} must be a string or a list of parts", param="input")
     if len(content) > MAX_CONTENT_PARTS:
@@ -286,6 +286,7 @@ class ResponseWriter:
         self.output: list[dict] = []
         self.sequence = 0
         self._message: dict | None = None  # the message item open for text, if any
+        self._texts: list[str] = []  # its text so far, joined when it closes
         self._echo = {
             "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
             "metadata": body.get("metadata") or {}, "parallel_tool_calls": body.get("parallel_tool_calls", True),
@@ -392,11 +393,11 @@ class ResponseWriter:
         return [self.event("response.output_item.added", output_index=index,
                            item={**self._message, "content": []}),
                 self.event("response.content_part.added", item_id=self._message["id"], output_index=index,
-                           content_index=0, part={**part, "logprobs": []} if "logprobs" in part else dict(part))]
+                           content_index=0, part=part)]
 
     def _add_text(self, text: str, logprobs: list | None, stream: bool = False) -> list[bytes]:
         part = self._message["content"][0]
-        part["text"] += text
+        self._texts.append(text)  # joined once at the close: += would copy the text per token
         if logprobs is not None and "logprobs" in part:
             part["logprobs"].extend(logprobs)
         if not stream:
@@ -411,10 +412,11 @@ class ResponseWriter:
             return []
         self._message = None
         message["status"] = "incomplete" if choice.finish_reason in ("length", "abort") else "completed"
+        part = message["content"][0]
+        part["text"], self._texts = "".join(self._texts), []
         if not stream:
             return []
         index = self.output.index(message)
-        part = message["content"][0]
         return [self.event("response.output_text.done", item_id=message["id"], output_index=index,
                            content_index=0, text=part["text"], logprobs=part.get("logprobs", [])),
                 self.event("response.content_part.done", item_id=message["id"], output_index=index,
