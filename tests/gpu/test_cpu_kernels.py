@@ -607,6 +607,35 @@ def test_small_batch_product_matches_the_reference(kernel, dtype, rows, out_feat
     assert (linear.packed_weight is None) == (dtype not in cpu_linear.LARGE_BATCH_ONEDNN_DTYPES)
 
 
+@pytest.mark.parametrize("dtype, in_features", [(torch.float32, 1024), (torch.bfloat16, 2048),
+                                                (torch.float32, 2048)])
+@pytest.mark.parametrize("rows", [2, 13, 64, 130])
+def test_rows_a_multiple_of_4_kib_apart_give_the_same_products(kernel, dtype, in_features, rows):
+    """Rows whose stride is a multiple of 4 KiB are copied apart before the product (they
+    share an L1 set otherwise): the results are those of the same rows laid out 64
+    bytes further apart, bit for bit, and as the reference, for every row."""
+    small = cpu_kernels.small_batch()
+    if small is None or dtype not in small.dtypes:
+        pytest.skip(f"this CPU's kernels have no small-batch product in {dtype}")
+    generator = torch.Generator().manual_seed(rows + in_features)
+    weight = torch.randn(96, in_features, generator=generator).to(dtype)
+    bias = torch.randn(96, generator=generator).to(dtype)
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    spaced = torch.zeros(rows, in_features + 64 // x.element_size(), dtype=dtype)[:, :in_features]
+    spaced.copy_(x)
+    # Every row a different offset into a wider buffer: a stride of 4 KiB and rows that
+    # do not start at the buffer's start.
+    offset = torch.zeros(rows + 1, in_features, dtype=dtype)[1:]
+    offset.copy_(x)
+    packed = small.pack(weight)
+    got = small.product(x, packed, bias, 96)
+    assert torch.equal(got, small.product(spaced, packed, bias, 96))
+    assert torch.equal(got, small.product(offset, packed, bias, 96))
+    want = F.linear(x.double(), weight.double(), bias.double()).float()
+    tolerance = dict(atol=1e-3, rtol=1e-5) if dtype == torch.float32 else dict(atol=5e-2, rtol=8e-3)
+    torch.testing.assert_close(got.float(), want, **tolerance)
+
+
 def test_the_small_batch_product_follows_the_cpus_instruction_sets(kernel):
     """Float32 and bfloat16 take the small-batch product wherever the CPU has AVX2 and FMA
     (groups of 16 outputs, bfloat16 widened to float32) or AVX-512 (groups of 32; there
