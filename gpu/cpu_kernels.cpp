@@ -1722,25 +1722,25 @@ void widened_product(const at::Tensor& x, const at::Tensor& packed, const c10::o
 // Rows of x whose stride is a multiple of 4 KiB (inputs of 1,024 float32 values, or
 // 2,048 bfloat16 ones, or a multiple: most models' hidden and MLP sizes) fall in one set
 // of the L1 cache (8 ways), so a run's 13-14 rows, each broadcast a value at a time,
-// evict one another. Such rows are copied 64 bytes apart from that stride first (the
-// product's arithmetic is unchanged). Measured on a 2-core Zen 4 VM, one thread, 768
-// outputs, 64 rows: K = 2,048 ran at 86 GFLOP/s in float32 and 127 in bfloat16 against
-// 109 / 209 at K = 1,536; K = 1,024 float32 at 94 against 112 at 768; with the copy
-// 110 / 219 and 112. (The AMX tile product reads x through its own copy.)
-#ifdef CADENCE_AVX512
+// evict one another. With AVX-512 such rows are copied 64 bytes apart from that stride
+// first (the product's arithmetic is unchanged). Measured on a 2-core Zen 4 VM, one
+// thread, 768 outputs, 64 rows: K = 2,048 ran at 86 GFLOP/s in float32 and 127 in
+// bfloat16 against 109 / 209 at K = 1,536; K = 1,024 float32 at 94 against 112 at 768;
+// with the copy (its time included) 110 / 219 and 112. AVX2 builds, whose runs take at
+// most 6 rows, are left as they are (not measured there); so is the AMX tile product,
+// which does not come here.
 inline at::Tensor unaliased_rows(const at::Tensor& x) {
+#ifdef CADENCE_AVX512
   const int64_t row_bytes = x.stride(0) * static_cast<int64_t>(x.element_size());
-  if (x.size(0) < 2 || row_bytes % 4096 != 0) return x;
-  const int64_t pad = 64 / static_cast<int64_t>(x.element_size());
-  at::Tensor padded = at::empty({x.size(0), x.size(1) + pad}, x.options());
-  at::Tensor rows = padded.narrow(1, 0, x.size(1));
-  rows.copy_(x);
-  return rows;
-}
-#else
-// (Not measured on an AVX2-only CPU, whose runs take at most 6 rows: left as they are.)
-inline const at::Tensor& unaliased_rows(const at::Tensor& x) { return x; }
+  if (x.size(0) >= 2 && row_bytes % 4096 == 0) {
+    const int64_t pad = 64 / static_cast<int64_t>(x.element_size());
+    at::Tensor rows = at::empty({x.size(0), x.size(1) + pad}, x.options()).narrow(1, 0, x.size(1));
+    rows.copy_(x);
+    return rows;
+  }
 #endif
+  return x;
+}
 
 // x [M, K] (M <= kProductRows, contiguous rows) times the packed weight [groups, K / P,
 // kSmallColumns, P] of a [out_features, K] one (P = 2 in bfloat16, 1 in float32), plus bias.
