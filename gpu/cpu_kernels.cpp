@@ -2306,8 +2306,11 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch:
 // the next norm (`rms_norm` with a residual rounds the sum as torch's add would), and the
 // last by the final norm. A decode step's attention rows are its sequences; a step with
 // prompts passes each query row's own block table and context length (the form
-// `paged_decode_attention` takes for any row), and the rows that sample, which alone run
-// the last layer past its attention, as the Python path's `keep`.
+// `paged_decode_attention` takes for any row) or, where `paged_attention` takes the
+// query (AVX-512), each sequence's table, length and first query row as that kernel
+// does; and the rows that sample, which alone run the last layer past its attention,
+// as the Python path's `keep`. A server's mixed steps (a prompt beside the decodes)
+// are then one call too: each took the lock back some 500 times.
 
 // x times a prepacked weight: `small` where given, for at most product_rows rows or where
 // oneDNN's `weight` is not kept; else oneDNN's.
@@ -2385,14 +2388,17 @@ struct DecodeStack {
 
   // hidden [T, hidden] (the embedded tokens), cos/sin [T, head_dim], caches: each
   // layer's key then value cache; block_tables [T, width] and seq_lens [T]: each query
-  // row's table and context length. Returns the final norm's output [T, hidden], or
+  // row's table and context length, or with `query_start` [S + 1] (int32) each of S
+  // sequences' (`paged_attention`'s form: sequence s's rows [query_start[s],
+  // query_start[s + 1]) end at position seq_lens[s] - 1). Returns the final norm's output [T, hidden], or
   // with `keep_rows` that of those rows only: the last layer attends for them alone
   // (their tables and lengths `keep_tables` and `keep_lens`), every row's key and value
   // stored all the same.
   at::Tensor forward(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
                      std::vector<at::Tensor> caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const c10::optional<at::Tensor>& keep_rows,
-                     const c10::optional<at::Tensor>& keep_tables, const c10::optional<at::Tensor>& keep_lens) const {
+                     const c10::optional<at::Tensor>& keep_tables, const c10::optional<at::Tensor>& keep_lens,
+                     const c10::optional<at::Tensor>& query_start) const {
     TORCH_CHECK(caches.size() == 2 * layers.size(), "two caches a layer");
     TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous(), "slot_mapping: int64");
     TORCH_CHECK(keep_rows.has_value() == keep_tables.has_value() && keep_rows.has_value() == keep_lens.has_value(),
@@ -2416,6 +2422,7 @@ struct DecodeStack {
       at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
       store_kv(k, v, caches[2 * i], caches[2 * i + 1], slot_mapping);
       at::Tensor tables = block_tables, lens = seq_lens;
+      bool by_sequence = query_start.has_value();
       if (keep_rows.has_value() && i + 1 == layers.size()) {  // the last layer: the kept rows alone
         const at::Tensor kept = keep_rows->to(at::kLong);
         if (kept.size(0) == 0) return hidden.new_empty({0, hidden.size(1)});
@@ -2423,9 +2430,12 @@ struct DecodeStack {
         residual = residual.index_select(0, kept);
         tables = *keep_tables;
         lens = *keep_lens;
+        by_sequence = false;  // each kept row a one-token query over its whole context
       }
       const int64_t rows = q.size(0);
-      at::Tensor attended = paged_decode_attention(q, caches[2 * i], caches[2 * i + 1], tables, lens, scale);
+      at::Tensor attended =
+          by_sequence ? paged_attention(q, caches[2 * i], caches[2 * i + 1], tables, lens, *query_start, scale)
+                      : paged_decode_attention(q, caches[2 * i], caches[2 * i + 1], tables, lens, scale);
       at::Tensor out = packed_linear(attended.view({rows, q_size}), w[4], w[5], w[6], hidden.size(1));
       auto both = rms_norm(out, *w[7], eps, residual);
       residual = both[1];
@@ -2462,6 +2472,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("hidden"), py::arg("cos"), py::arg("sin"), py::arg("caches"), py::arg("slot_mapping"),
            py::arg("block_tables"), py::arg("seq_lens"), py::arg("keep_rows") = py::none(),
            py::arg("keep_tables") = py::none(), py::arg("keep_lens") = py::none(),
+           py::arg("query_start") = py::none(),
            py::call_guard<py::gil_scoped_release>());
   m.def("small_product", &small_product, "x [<= SMALL_ROWS, K] times a small-batch packed weight",
         py::call_guard<py::gil_scoped_release>());

@@ -232,8 +232,8 @@ def small_batch() -> SmallBatch | None:
 
 def decode_stack(model):
     """The kernels' `DecodeStack` for a packed `CausalLM` (`CausalLM.pack`): its decoder
-    layers in one call, for a decode step or a step whose attention runs a row at a time
-    (`AttentionMetadata.row_block_tables`), bit for bit the results of the layers' own
+    layers in one call, for a decode step, a step whose attention runs a row at a time
+    (`AttentionMetadata.row_block_tables`) or, where `stack_takes_prompts`, any step, bit for bit the results of the layers' own
     forward on this module's kernels. None where that path does not apply: the kernels
     are not built, or a layer has query/key norms, unpacked products or another norm
     epsilon."""
@@ -258,6 +258,17 @@ def decode_stack(model):
     return module.DecodeStack(layers, stack.norm.weight.detach(), eps, first.num_heads, first.num_kv_heads,
                               first.head_dim, stack.layers[0].mlp.gate_up_proj.out_features // 2, first.scale,
                               stack.layers[0].mlp.chunk_rows or 0)
+
+
+def stack_takes_prompts(model) -> bool:
+    """Whether `decode_stack(model)` also runs steps with prompts in `paged_attention`'s
+    form (each sequence's table, length and first query row): where that kernel takes
+    the model's dtype and head size (AVX-512 builds). Elsewhere only a step whose prompt
+    rows carry tables of their own (`AttentionMetadata.row_block_tables`) goes there."""
+    module = load()
+    first = model.model.layers[0].self_attn
+    probe = torch.empty(0, first.num_heads, first.head_dim, dtype=model.model.norm.weight.dtype)
+    return module is not None and module.has_paged_attention(probe)
 
 
 def _product(linear) -> list:

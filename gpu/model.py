@@ -274,8 +274,10 @@ class DecoderStack(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
-        # The CPU kernels' decode-step stack (`cpu_kernels.decode_stack`), set with them.
+        # The CPU kernels' decode-step stack (`cpu_kernels.decode_stack`), set with them,
+        # and whether it also takes steps with prompts as they come (`stack_takes_prompts`).
         self.decode_stack = None
+        self.stack_takes_prompts = False
 
     def forward(self, input_ids, positions, kv_caches: Sequence[KVCache], meta,
                 keep: LastRows | None = None) -> torch.Tensor:
@@ -291,21 +293,24 @@ class DecoderStack(nn.Module):
         if keep is not None and keep.rows.shape[0] == num_tokens:
             keep = None  # every row is kept, in order (a decode step): nothing to cut
         by_row = meta.row_block_tables is not None
-        if (self.decode_stack is not None and (by_row or meta.num_decode_seqs == num_tokens)
+        decodes = meta.num_decode_seqs == num_tokens
+        if (self.decode_stack is not None and (by_row or decodes or self.stack_takes_prompts)
                 and kv_caches[0][0].dtype == hidden.dtype):
-            # A decode step, or one whose attention runs a row at a time: every layer in
-            # one call of the CPU kernels (the same results), the interpreter's lock
-            # released throughout.
+            # A decode step, one whose attention runs a row at a time, or (where the
+            # kernels attend prompts in one pass) any step: every layer in one call of the
+            # CPU kernels (the same results), the interpreter's lock released throughout.
             cos, sin = (table.view(num_tokens, -1) for table in rope)
             tables, lens = meta.block_tables, meta.seq_lens
+            extra = {}
             if by_row:
                 tables, lens = meta.row_block_tables, meta.row_seq_lens
-            kept = {}
+            elif not decodes:
+                extra["query_start"] = meta.query_start_loc
             if keep is not None:
-                kept = dict(keep_rows=keep.rows, keep_tables=meta.block_tables[keep.seqs],
-                            keep_lens=meta.seq_lens[keep.seqs])
+                extra.update(keep_rows=keep.rows, keep_tables=meta.block_tables[keep.seqs],
+                             keep_lens=meta.seq_lens[keep.seqs])
             return self.decode_stack.forward(hidden, cos, sin, [cache for pair in kv_caches for cache in pair],
-                                             meta.slot_mapping, tables, lens, **kept)
+                                             meta.slot_mapping, tables, lens, **extra)
         last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             hidden = layer(hidden, rope, kv_cache, meta, keep if i == last else None)
@@ -359,6 +364,8 @@ class CausalLM(nn.Module):
             fused = kernels
         self.model.decode_stack = (kernels.decode_stack(self) if on and hasattr(kernels, "decode_stack")
                                    else None)
+        self.model.stack_takes_prompts = (self.model.decode_stack is not None
+                                          and kernels.stack_takes_prompts(self))
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP)):
                 module.fused = fused

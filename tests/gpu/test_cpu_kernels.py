@@ -866,29 +866,47 @@ def _random_mixed_step(config, dtype, q_lens, seq_lens, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sampled", ["all", "some", "none", "every row"])
 @pytest.mark.parametrize("head_dim", [16, 32])  # the portable decode kernel; the vector one
-def test_the_stack_runs_a_step_of_prompts_as_the_layers_do(kernel, dtype, sampled, head_dim):
+@pytest.mark.parametrize("form", ["rows", "sequences"])
+def test_the_stack_runs_a_step_of_prompts_as_the_layers_do(kernel, dtype, sampled, head_dim, form):
     """A step of decodes, a whole prompt, a chunk after cached context and a prompt longer
-    than the feed-forward's slice of rows, attended a row at a time: the stack's final
-    hidden states of the rows that sample (or of every row) and the caches it writes are
-    the layers' own, bit for bit, and agree with the padded (SDPA) attention's."""
+    than the feed-forward's slice of rows, attended a row at a time (each row's own table)
+    or a sequence at a time (`paged_attention`'s form, where the kernels have it): the
+    stack's final hidden states of the rows that sample (or of every row) and the caches
+    it writes are the layers' own, bit for bit, and agree with the padded (SDPA)
+    attention's."""
     import attrs
 
     from cadence.gpu.model import LastRows
 
     config, model, stack = _stacked_model(dtype, seed=4, head_dim=head_dim)
+    probe = torch.empty(0, config.num_heads, head_dim, dtype=dtype)
+    assert model.model.stack_takes_prompts == kernel.has_paged_attention(probe)
+    if form == "sequences" and not model.model.stack_takes_prompts:
+        pytest.skip("the kernels attend prompts a sequence at a time only on AVX-512, heads of 32 to 256")
     chunk_rows = model.model.layers[0].mlp.chunk_rows
     q_lens, seq_lens = [1, 1, 20, 9, chunk_rows + 7], [31, 5, 20, 39, chunk_rows + 7]
     input_ids, positions, caches, meta = _random_mixed_step(config, dtype, q_lens, seq_lens, seed=len(sampled))
+    if form == "sequences":
+        meta = attrs.evolve(meta, row_block_tables=None, row_seq_lens=None)
     ends = meta.query_start_loc.long()[1:] - 1
     seqs = {"all": [0, 1, 2, 3, 4], "some": [1, 3], "none": [], "every row": None}[sampled]
     keep = None if seqs is None else LastRows(ends[seqs], torch.tensor(seqs, dtype=torch.int64))
+    calls = []
+
+    class Counting:
+        def forward(self, *args, **kwargs):
+            calls.append(kwargs)
+            return stack.forward(*args, **kwargs)
+
     runs = {}
     for name in ("stack", "layers", "padded"):
-        model.model.decode_stack = stack if name == "stack" else None
+        model.model.decode_stack = Counting() if name == "stack" else None
         step = meta if name != "padded" else attrs.evolve(meta, row_block_tables=None, row_seq_lens=None)
         copies = [tuple(c.clone() for c in pair) for pair in caches]
         with torch.no_grad():
             runs[name] = (model(input_ids, positions, copies, step, keep), copies)
+    # One call of the stack, in the step's form.
+    assert len(calls) == 1 and ("query_start" in calls[0]) == (form == "sequences")
     (got, got_caches), (want, want_caches) = runs["stack"], runs["layers"]
     assert got.shape == (len(positions) if seqs is None else len(seqs), config.hidden_size)
     assert torch.equal(got, want)
