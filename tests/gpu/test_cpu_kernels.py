@@ -865,8 +865,8 @@ def _random_mixed_step(config, dtype, q_lens, seq_lens, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sampled", ["all", "some", "none", "every row"])
-@pytest.mark.parametrize("head_dim", [16, 32])  # the portable decode kernel; the vector one
-@pytest.mark.parametrize("form", ["rows", "sequences"])
+# Heads of 16: the portable decode kernel (a row at a time only); of 32: the vector ones.
+@pytest.mark.parametrize("head_dim, form", [(16, "rows"), (32, "rows"), (32, "sequences")])
 def test_the_stack_runs_a_step_of_prompts_as_the_layers_do(kernel, dtype, sampled, head_dim, form):
     """A step of decodes, a whole prompt, a chunk after cached context and a prompt longer
     than the feed-forward's slice of rows, attended a row at a time (each row's own table)
@@ -882,7 +882,7 @@ def test_the_stack_runs_a_step_of_prompts_as_the_layers_do(kernel, dtype, sample
     probe = torch.empty(0, config.num_heads, head_dim, dtype=dtype)
     assert model.model.stack_takes_prompts == kernel.has_paged_attention(probe)
     if form == "sequences" and not model.model.stack_takes_prompts:
-        pytest.skip("the kernels attend prompts a sequence at a time only on AVX-512, heads of 32 to 256")
+        pytest.skip("the kernels attend prompts a sequence at a time only with AVX-512")
     chunk_rows = model.model.layers[0].mlp.chunk_rows
     q_lens, seq_lens = [1, 1, 20, 9, chunk_rows + 7], [31, 5, 20, 39, chunk_rows + 7]
     input_ids, positions, caches, meta = _random_mixed_step(config, dtype, q_lens, seq_lens, seed=len(sampled))
