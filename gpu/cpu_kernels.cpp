@@ -2390,10 +2390,10 @@ struct DecodeStack {
   // layer's key then value cache; block_tables [T, width] and seq_lens [T]: each query
   // row's table and context length, or with `query_start` [S + 1] (int32) each of S
   // sequences' (`paged_attention`'s form: sequence s's rows [query_start[s],
-  // query_start[s + 1]) end at position seq_lens[s] - 1). Returns the final norm's output [T, hidden], or
-  // with `keep_rows` that of those rows only: the last layer attends for them alone
-  // (their tables and lengths `keep_tables` and `keep_lens`), every row's key and value
-  // stored all the same.
+  // query_start[s + 1]) end at position seq_lens[s] - 1). Returns the final norm's
+  // output [T, hidden], or with `keep_rows` that of those rows only: the last layer
+  // attends for them alone (their tables and lengths `keep_tables` and `keep_lens`),
+  // every row's key and value stored all the same.
   at::Tensor forward(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
                      std::vector<at::Tensor> caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const c10::optional<at::Tensor>& keep_rows,
