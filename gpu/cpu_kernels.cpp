@@ -1373,9 +1373,13 @@ constexpr int64_t kSmallAhead = 64;
 // multiply-adds instead. 1 thread, Zen 4, the 125M model's products at 64 rows, three
 // alternations of the two builds: 103.7-106.4 -> 105.6-109.2 GFLOP/s (gate/up),
 // 106.4-107.3 -> 108.9-109.6 (the 32k-way head), the others within 0-2% (the core's
-// peak is 117); the 64 x 128/128 batch through the runner 29.40-29.49 -> 28.95-29.35 s.
-// Arithmetic unchanged (one rounding, the same order). In bfloat16 the same folding
+// peak is 117); the 64 x 128/128 batch through the runner, eight alternations, median
+// 29.45 -> 29.03 s (29.16-29.49 against 28.93-29.51).
+// Arithmetic unchanged (one rounding, the same order). Runs of fewer rows, whose weight
+// comes from memory at the pace of its reads, keep the register: one row folded slowed
+// the batch-1 decode step 13.7-14.4 -> 15.6-16.2 ms. In bfloat16 the same folding
 // (VDPBF16PS with a broadcast operand) ran at 92 GFLOP/s against 210: not used there.
+constexpr int kFoldRows = 10;
 inline void fmadd_broadcast(__m512& acc, __m512 w, const float* x) {
   asm("vfmadd231ps %[x]%{1to16%}, %[w], %[acc]" : [acc] "+v"(acc) : [w] "v"(w), [x] "m"(*x));
 }
@@ -1398,8 +1402,14 @@ void small_product_rows(const float* x, int64_t x_stride, const float* weight, c
       const __m512 low = _mm512_loadu_ps(group + k * kSmallColumns);
       const __m512 high = _mm512_loadu_ps(group + k * kSmallColumns + 16);
       for (int m = 0; m < kM; ++m) {
-        fmadd_broadcast(sums[m][0], low, x + m * x_stride + k);
-        fmadd_broadcast(sums[m][1], high, x + m * x_stride + k);
+        if constexpr (kM >= kFoldRows) {
+          fmadd_broadcast(sums[m][0], low, x + m * x_stride + k);
+          fmadd_broadcast(sums[m][1], high, x + m * x_stride + k);
+        } else {
+          const __m512 value = _mm512_set1_ps(x[m * x_stride + k]);
+          sums[m][0] = _mm512_fmadd_ps(value, low, sums[m][0]);
+          sums[m][1] = _mm512_fmadd_ps(value, high, sums[m][1]);
+        }
       }
     }
     for (int half = 0; half < 2; ++half) {
