@@ -241,9 +241,9 @@ def decode_stack(model):
     """The kernels' `DecodeStack` for a packed `CausalLM` (`CausalLM.pack`): its decoder
     layers in one call, for a decode step, a step whose attention runs a row at a time
     (`AttentionMetadata.row_block_tables`) or, where `stack_takes_prompts`, any step, bit
-    for bit the results of the layers' own forward on this module's kernels. None where that path does not apply: the kernels
-    are not built, or a layer has query/key norms, unpacked products or another norm
-    epsilon."""
+    for bit the results of the layers' own forward on this module's kernels. None where
+    that path does not apply: the kernels are not built, or a layer has query/key norms,
+    unpacked products or another norm epsilon."""
     from .cpu_linear import PackedLinear
 
     module = load()
