@@ -7,7 +7,7 @@ each run as one kernel instead of torch's chain of elementwise ops, rounding
 where those ops round; `rms_norm`, `silu_and_mul` and `rope_and_write_kv` below
 have the signatures of `cadence.gpu.triton_fused`, so the model's fused branches
 take either module. The extension is compiled with torch's C++ extension builder the first time a
-process asks for it (about a minute; needs a C++ compiler and ninja) and cached
+process asks for it (~30 s on two cores; needs a C++ compiler and ninja) and cached
 under torch's extension directory, keyed by the source and this CPU's
 instruction sets, so a process on another kind of CPU builds its own.
 Where it cannot be built, `load` says why and the "cpu" attention backend
@@ -83,7 +83,7 @@ def load():
                 # The source by its resolved path, as `build_name` names it: a tree that
                 # links to this folder (the mutation runner's copy of the core) then
                 # writes the same build file and finds the build current, where its own
-                # path would make the builder compile again (~45 s on two cores).
+                # path would make the builder compile again (~30 s on two cores).
                 _state["module"] = cpp_extension.load(
                     name=name, sources=[str(SOURCE.resolve())], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                     build_directory=str(build_dir), verbose=False)
