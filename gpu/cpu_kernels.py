@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import logging
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -80,6 +81,12 @@ def load():
             build_dir = Path(cpp_extension._get_build_directory(name, False))
             flags = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
             with _sole_builder(build_dir):
+                # A first build is a silent pause of half a minute otherwise.
+                fresh = not (build_dir / f"{name}.so").is_file()
+                if fresh:
+                    _log.info("compiling the CPU kernels for this machine, once (~30 s on two cores; "
+                              "`cadence build-kernels` does it ahead)")
+                started = time.perf_counter()
                 # The source by its resolved path, as `build_name` names it: a tree that
                 # links to this folder (the mutation runner's copy of the core) then
                 # writes the same build file and finds the build current, where its own
@@ -87,6 +94,8 @@ def load():
                 _state["module"] = cpp_extension.load(
                     name=name, sources=[str(SOURCE.resolve())], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                     build_directory=str(build_dir), verbose=False)
+                if fresh:
+                    _log.info("CPU kernels compiled in %.1f s", time.perf_counter() - started)
         except Exception as exc:  # noqa: BLE001 - any build failure means: fall back, and say why
             _state["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
             _log.warning("CPU paged attention kernel unavailable (%s); attention gathers blocks for SDPA",

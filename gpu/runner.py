@@ -210,7 +210,7 @@ def default_attention_backend(device: torch.device, config: ModelConfig | None =
     """On CPU "cpu" (the in-place decode kernel) where it builds, except for small models
     (under SMALL_MODEL_MACS per token, such as the demo model) on a machine that has not
     built the kernels yet: their steps are cheap enough that "sdpa" serves them without
-    a 30-80 s compile before the first token (once built, by any larger model or
+    a ~30 s compile (two cores) before the first token (once built, by any larger model or
     `cadence build-kernels`, they run a small model's decode steps 3-8x faster); on
     CUDA "triton" (the paged kernels, with decode graphs) where triton imports, else "sdpa"."""
     if device.type == "cpu":

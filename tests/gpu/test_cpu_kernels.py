@@ -359,6 +359,38 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load(kernel)
     assert out.strip() == "loaded", err
 
 
+def test_a_first_build_says_so_and_a_later_load_does_not(monkeypatch, caplog, tmp_path):
+    """A first build is half a minute of silence otherwise: the log says a compile has
+    begun and how long it took; a process that finds the build says nothing of it."""
+    import logging
+    from torch.utils import cpp_extension
+
+    name = "cadence_cpu_kernels_first_build_test"
+    built = []
+
+    def build_directory(which, verbose):
+        (tmp_path / which).mkdir(exist_ok=True)
+        return str(tmp_path / which)
+
+    def compile_(name, build_directory, **options):  # stands in for the half-minute build
+        built.append(name)
+        (Path(build_directory) / f"{name}.so").write_bytes(b"")
+        return "module"
+
+    monkeypatch.setattr(cpu_kernels, "build_name", lambda: name)
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", build_directory)
+    monkeypatch.setattr(cpp_extension, "load", compile_)
+    for first in (True, False):
+        monkeypatch.setattr(cpu_kernels, "_state", {})  # a fresh process
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="cadence.gpu"):
+            assert cpu_kernels.load() == "module"
+        said = caplog.text
+        assert ("compiling the CPU kernels" in said and "compiled in" in said) is first, said
+        assert ("compiling" in said) is first, said
+    assert built == [name, name]
+
+
 # ---- prepacked products
 
 
