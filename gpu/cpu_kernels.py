@@ -81,11 +81,12 @@ def load():
             build_dir = Path(cpp_extension._get_build_directory(name, False))
             flags = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
             with _sole_builder(build_dir):
-                # A first build is a silent pause of half a minute otherwise.
-                fresh = not (build_dir / f"{name}.so").is_file()
+                # A first build is a silent pause of half a minute otherwise; so is a
+                # rebuild of a source edited in place (the builder compares times).
+                fresh = _needs_compiling(build_dir / f"{name}.so")
                 if fresh:
-                    _log.info("compiling the CPU kernels for this machine, once (~30 s on two cores; "
-                              "`cadence build-kernels` does it ahead)")
+                    _log.info("compiling the CPU kernels for this machine (~30 s on two cores; "
+                              "`cadence build-kernels` does it ahead of time)")
                 started = time.perf_counter()
                 # The source by its resolved path, as `build_name` names it: a tree that
                 # links to this folder (the mutation runner's copy of the core) then
@@ -102,6 +103,14 @@ def load():
                          _state["error"])
             return None
         return _state["module"]
+
+
+def _needs_compiling(library: Path) -> bool:
+    """Whether torch's builder will compile: no library yet, or the source is newer."""
+    try:
+        return SOURCE.stat().st_mtime > library.stat().st_mtime
+    except FileNotFoundError:
+        return True
 
 
 @contextlib.contextmanager

@@ -359,10 +359,11 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load(kernel)
     assert out.strip() == "loaded", err
 
 
-def test_a_first_build_says_so_and_a_later_load_does_not(monkeypatch, caplog, tmp_path):
+def test_a_build_says_so_and_a_load_of_a_current_build_does_not(monkeypatch, caplog, tmp_path):
     """A first build is half a minute of silence otherwise: the log says a compile has
-    begun and how long it took; a process that finds the build says nothing of it."""
+    begun and how long it took; a process that finds the build current says nothing."""
     import logging
+    import os
     from torch.utils import cpp_extension
 
     name = "cadence_cpu_kernels_first_build_test"
@@ -377,18 +378,26 @@ def test_a_first_build_says_so_and_a_later_load_does_not(monkeypatch, caplog, tm
         (Path(build_directory) / f"{name}.so").write_bytes(b"")
         return "module"
 
+    source = tmp_path / "cpu_kernels.cpp"
+    source.write_text("// stands in for the kernels' source")
+    monkeypatch.setattr(cpu_kernels, "SOURCE", source)
     monkeypatch.setattr(cpu_kernels, "build_name", lambda: name)
     monkeypatch.setattr(cpp_extension, "_get_build_directory", build_directory)
     monkeypatch.setattr(cpp_extension, "load", compile_)
-    for first in (True, False):
+    library = tmp_path / name / f"{name}.so"
+    # No build yet; the build there; the source edited in place after it (the builder
+    # compiles again, as it compares the files' times).
+    for case, compiles in (("first", True), ("built", False), ("edited", True)):
+        if case == "edited":
+            os.utime(source, (library.stat().st_mtime + 10,) * 2)
         monkeypatch.setattr(cpu_kernels, "_state", {})  # a fresh process
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="cadence.gpu"):
             assert cpu_kernels.load() == "module"
         said = caplog.text
-        assert ("compiling the CPU kernels" in said and "compiled in" in said) is first, said
-        assert ("compiling" in said) is first, said
-    assert built == [name, name]
+        assert ("compiling the CPU kernels" in said and "compiled in" in said) is compiles, (case, said)
+        assert ("compiling" in said) is compiles, (case, said)
+    assert built == [name] * 3
 
 
 # ---- prepacked products
