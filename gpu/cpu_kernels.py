@@ -146,15 +146,16 @@ def _sole_builder(build_dir: Path):
 
 
 def is_built() -> bool:
-    """Whether `load` would find the extension compiled already (this process loaded
-    it, or an earlier one built it into torch's extension directory)."""
+    """Whether `load` would find the extension compiled already and current (this process
+    loaded it, or an earlier one built it from this source into torch's extension
+    directory): where it would compile, a small model's first token would wait for that."""
     if "module" in _state:
         return True
     try:
         from torch.utils import cpp_extension
 
         name = build_name()
-        return (Path(cpp_extension._get_build_directory(name, False)) / f"{name}.so").is_file()
+        return not _needs_compiling(Path(cpp_extension._get_build_directory(name, False)) / f"{name}.so")
     except Exception:  # noqa: BLE001 - no build directory, or a torch without it: not built
         return False
 
