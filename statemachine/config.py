@@ -15,7 +15,7 @@ POLICY_NAMES = ("fcfs", "priority", "strict-priority", "deadline", "fair", "weig
 
 
 # Under `mixed_prefill_tokens`, a queue whose tokens the bound would take more steps
-# than this to admit is admitted as without it.
+# than this to admit is admitted as without it (`mixed_prefill_drain_steps`'s default).
 MIXED_DRAIN_STEPS = 16
 
 
@@ -149,9 +149,13 @@ class SchedulerConfig:
         few steps, one after another, instead of sharing one long step. A step
         with nothing decoding is admitted as without it, and so is a queue of
         more requests than decode, or of more tokens (prompt and output) than the
-        bound admits in MIXED_DRAIN_STEPS (16) steps. Applies only with chunked
-        prefill.
+        bound admits in `mixed_prefill_drain_steps` steps. Applies only with
+        chunked prefill.
       mixed_prefill_per_decode: see `mixed_prefill_tokens`.
+      mixed_prefill_drain_steps: see `mixed_prefill_tokens` (default
+        MIXED_DRAIN_STEPS, 16). A larger figure keeps the bound on for longer
+        queues: a closed loop of clients that come back in rounds is then split
+        up instead of admitted round by round in long steps.
 
     Ordering
       policy: `fcfs`, `priority` (lower value first, aged), `strict-priority` (no
@@ -298,6 +302,7 @@ class SchedulerConfig:
     admission_finish_hold_steps: int = attrs.field(default=0, validator=_at_least(0))
     mixed_prefill_tokens: int = attrs.field(default=0, validator=_at_least(0))
     mixed_prefill_per_decode: float = attrs.field(default=2.0, validator=[_at_least(0.0), _finite])
+    mixed_prefill_drain_steps: int = attrs.field(default=MIXED_DRAIN_STEPS, validator=_at_least(1))
     enable_chunked_prefill: bool = True
     policy: str = attrs.field(default="fcfs", validator=_policy_name)
     enable_priority_scheduling: bool = True

@@ -17,7 +17,7 @@ from typing import Sequence
 import attrs
 
 from .blocks import BlockManager, block_keys_for
-from .config import MIXED_DRAIN_STEPS, CacheConfig, SchedulerConfig
+from .config import CacheConfig, SchedulerConfig
 from .estimate import OutputLengthEstimator
 from .errors import (
     DuplicateRequestError, InvalidRequestError, QueueFullError, RequestNotFoundError,
@@ -590,8 +590,8 @@ class Scheduler:
         """The prompt tokens this step may compute beside decoding requests
         (`mixed_prefill_tokens`), or None where no bound applies: the bound is off,
         nothing decodes, or more requests wait than decode, or more prompt tokens
-        than it would admit in MIXED_DRAIN_STEPS steps (a burst is admitted as
-        without it)."""
+        than it would admit in `mixed_prefill_drain_steps` steps (a burst is
+        admitted as without it)."""
         config = self.config
         floor = config.mixed_prefill_tokens
         if not floor or not config.enable_chunked_prefill:
@@ -602,7 +602,7 @@ class Scheduler:
             return None
         limit = max(floor, int(config.mixed_prefill_per_decode * num_decoding))
         if num_waiting:  # no more wait than decode, so this walks at most twice the running
-            allowance = limit * MIXED_DRAIN_STEPS
+            allowance = limit * config.mixed_prefill_drain_steps
             for request in self.requests.values():
                 if request.state is PENDING:
                     allowance -= request.num_tokens

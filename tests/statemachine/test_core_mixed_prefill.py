@@ -14,7 +14,6 @@ import pytest
 from core_helpers import (admissions, arrive, completions, make_request, make_scheduler, random_request,
                           run_until_idle, step)
 
-from cadence.statemachine.config import MIXED_DRAIN_STEPS
 from cadence.statemachine.policy import waiting_requests
 
 
@@ -36,7 +35,7 @@ def bound_before_step(s) -> int | None:
     if not num_decoding or len(waiting) > num_decoding:
         return None
     limit = max(config.mixed_prefill_tokens, int(config.mixed_prefill_per_decode * num_decoding))
-    if sum(r.num_tokens for r in waiting) > limit * MIXED_DRAIN_STEPS:
+    if sum(r.num_tokens for r in waiting) > limit * config.mixed_prefill_drain_steps:
         return None
     return limit
 
@@ -173,6 +172,22 @@ def test_prompts_beside_decodes_all_finish_and_give_back_every_block():
     assert {f"q{i}" for i in range(3)} <= set(completions(events))
     assert max(prompt_tokens(s, p) for p in plans[:20]) == 4  # the queue joined 4 tokens a step
     assert s.blocks.num_free_blocks == 512
+
+
+def test_drain_steps_decide_which_queue_the_bound_holds():
+    """A queue of 3 x 10 tokens beside 3 decoding requests, bound 1: past 16 steps of
+    the bound, so admitted as without it; with 64 steps it joins a token a step."""
+    def first_plan(**config) -> dict:
+        s = decoding(3, **{"mixed_prefill_tokens": 1, "mixed_prefill_per_decode": 0.0, **config})
+        for i in range(3):
+            s.add_request(make_request(f"q{i}", 10, max_tokens=4, ignore_eos=True, arrival_s=1.0 + i))
+        return dict(step(s)[0].num_scheduled_tokens)
+    assert first_plan() == first_plan(mixed_prefill_tokens=0)
+    assert sum(first_plan().values()) == 3 + 30
+    held = first_plan(mixed_prefill_drain_steps=64)
+    assert sum(held.values()) == 3 + 1 and held.get("q0") == 1
+    assert first_plan(mixed_prefill_drain_steps=30) == held  # 30 tokens within 30 steps of 1
+    assert first_plan(mixed_prefill_drain_steps=29) == first_plan()
 
 
 def test_a_burst_beside_running_requests_joins_in_two_halves():

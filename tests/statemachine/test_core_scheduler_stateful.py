@@ -138,6 +138,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             preempt_min_priority_gap=draw(st.integers(1, 2), label="preempt gap"),
             preempt_max_recompute_tokens=draw(st.sampled_from([0, 1, 4]), label="preempt recompute"),
             preempt_max_times=draw(st.sampled_from([0, 1, 2]), label="preempt times"),
+            mixed_prefill_drain_steps=draw(st.sampled_from([16, 1, 64]), label="mixed drain steps"),
             debug_checks=True,
         )
         full = -(-max_model_len // block_size)  # blocks one request of max_model_len needs
