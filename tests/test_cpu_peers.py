@@ -76,3 +76,31 @@ def test_serving_lengths_are_the_same_for_both_engines_and_fit_the_model_length(
     assert max(len(p) + m for p, m in drawn) <= lengths.max_model_len
     argv, _ = cpu_peers._server_command("vllm", sys.executable, cpu_peers.Path("m"), "float32", 1, 9000, [], lengths)
     assert argv[argv.index("--max-model-len") + 1] == str(lengths.max_model_len)
+
+
+def _stream(monkeypatch, chunks):
+    sys.path.insert(0, BENCHMARKS)
+    import cpu_peers
+
+    monkeypatch.setattr(cpu_peers, "_post_stream", lambda port, body: iter(
+        (float(i), chunk) for i, chunk in enumerate(chunks)))
+    return cpu_peers
+
+
+def _chunk(text, finish=None):
+    return {"choices": [{"text": text, "finish_reason": finish}]}
+
+
+def test_a_stream_that_did_its_work_without_text_has_no_latencies_and_others_fail(monkeypatch):
+    import pytest
+
+    usage = {"choices": [], "usage": {"completion_tokens": 3}}
+    peers = _stream(monkeypatch, [_chunk("a"), _chunk(""), _chunk("b", "length"), usage])
+    done = peers._one_request(0, "m", [1, 2], max_tokens=3)
+    assert done["ttft_s"] is not None and len(done["itls"]) == 1 and done["tokens"] == 3
+    peers = _stream(monkeypatch, [_chunk(""), _chunk(""), _chunk("", "length"), usage])
+    silent = peers._one_request(0, "m", [1, 2], max_tokens=3)
+    assert silent["ttft_s"] is None and silent["itls"] == [] and silent["tokens"] == 3
+    peers = _stream(monkeypatch, [_chunk(""), _chunk("", "stop"), {"choices": [], "usage": {"completion_tokens": 2}}])
+    with pytest.raises(RuntimeError, match="finish_reason 'stop' after 2 tokens"):
+        peers._one_request(0, "m", [1, 2], max_tokens=3)
