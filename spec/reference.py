@@ -442,7 +442,8 @@ class ReferenceSpec:
         their tokens would join within `mixed_prefill_drain_steps` steps of the bound, a
         plan's prompt tokens (admissions, and chunks of more than one token for
         running requests) stay within `mixed_prefill_tokens`, or
-        `mixed_prefill_per_decode` per decoding request where that is more."""
+        `mixed_prefill_per_decode` per decoding request where that is more, or the
+        longest prompt waiting or begun over `mixed_prefill_chunks`."""
         c = self.config
         if not (c.mixed_prefill_tokens and c.enable_chunked_prefill):
             return []
@@ -453,6 +454,11 @@ class ReferenceSpec:
         if not num_decoding or num_waiting > num_decoding:
             return []
         limit = max(c.mixed_prefill_tokens, int(c.mixed_prefill_per_decode * num_decoding))
+        if c.mixed_prefill_chunks:
+            longest = max((len(r.tokens) for r in requests if r.phase == PENDING
+                           or (r.phase == RUNNING and len(r.tokens) - r.num_computed_tokens > 1)),
+                          default=0)
+            limit = max(limit, -(-longest // c.mixed_prefill_chunks))
         if sum(len(r.tokens) for r in requests if r.phase == PENDING) > limit * c.mixed_prefill_drain_steps:
             return []
         chunks = [scheduled.get(rid, 0) for rid in grown]

@@ -128,11 +128,13 @@ class SchedulerStateMachine(RuleBasedStateMachine):
             # The prompt bound beside decodes, the burst split and the finish hold (the
             # CPU server's pair) ride on the delay budget's draw (draws of their own
             # would move the derandomized runs off the families they reach); at 12 the
-            # bound gives way to any queue it would take more than a step to admit.
+            # bound gives way to any queue it would take more than a step to admit; at 4
+            # it is at least half the longest prompt waiting or begun.
             budget = self.config.admission_delay_budget
             self.config = attrs.evolve(self.config, mixed_prefill_tokens=budget // 4,
                                        mixed_prefill_per_decode=1.0,
                                        mixed_prefill_drain_steps=1 if budget == 12 else 16,
+                                       mixed_prefill_chunks=2 if budget == 4 else 0,
                                        admission_burst_split=2 if budget == 4 else 0,
                                        admission_finish_hold_steps=2 if budget == 4 else 0)
             full = -(-self.config.max_model_len // self.cache_config.block_size)

@@ -152,6 +152,13 @@ class SchedulerConfig:
         bound admits in `mixed_prefill_drain_steps` steps. Applies only with
         chunked prefill.
       mixed_prefill_per_decode: see `mixed_prefill_tokens`.
+      mixed_prefill_chunks: under `mixed_prefill_tokens`, the bound is at least
+        the longest prompt waiting or begun (its tokens to compute) divided by
+        this, rounded up, so that one prompt joins beside decoding requests in at
+        most this many steps however long it is (0: the bound alone). A small
+        bound then keeps the gaps between tokens short where prompts are short
+        without spreading a long prompt over so many steps that the queue
+        behind it outgrows the drain.
       mixed_prefill_drain_steps: see `mixed_prefill_tokens` (default
         MIXED_DRAIN_STEPS, 16). A larger figure keeps the bound on for longer
         queues: a closed loop of clients that come back in rounds is then split
@@ -303,6 +310,7 @@ class SchedulerConfig:
     mixed_prefill_tokens: int = attrs.field(default=0, validator=_at_least(0))
     mixed_prefill_per_decode: float = attrs.field(default=2.0, validator=[_at_least(0.0), _finite])
     mixed_prefill_drain_steps: int = attrs.field(default=MIXED_DRAIN_STEPS, validator=_at_least(1))
+    mixed_prefill_chunks: int = attrs.field(default=0, validator=_at_least(0))
     enable_chunked_prefill: bool = True
     policy: str = attrs.field(default="fcfs", validator=_policy_name)
     enable_priority_scheduling: bool = True

@@ -588,7 +588,8 @@ class Scheduler:
 
     def _mixed_prefill_limit(self) -> int | None:
         """The prompt tokens this step may compute beside decoding requests
-        (`mixed_prefill_tokens`), or None where no bound applies: the bound is off,
+        (`mixed_prefill_tokens`, raised to a share of the longest prompt under
+        `mixed_prefill_chunks`), or None where no bound applies: the bound is off,
         nothing decodes, or more requests wait than decode, or more prompt tokens
         than it would admit in `mixed_prefill_drain_steps` steps (a burst is
         admitted as without it)."""
@@ -596,18 +597,27 @@ class Scheduler:
         floor = config.mixed_prefill_tokens
         if not floor or not config.enable_chunked_prefill:
             return None
-        num_decoding = sum(r.num_tokens - r.num_computed_tokens <= 1 for r in self.running)
+        chunks = config.mixed_prefill_chunks
+        num_decoding = longest = 0
+        for request in self.running:
+            if request.num_tokens - request.num_computed_tokens <= 1:
+                num_decoding += 1
+            elif chunks:
+                longest = max(longest, request.num_tokens)
         num_waiting = len(self.policy)
         if not num_decoding or num_waiting > num_decoding:
             return None
-        limit = max(floor, int(config.mixed_prefill_per_decode * num_decoding))
+        waiting_tokens = 0
         if num_waiting:  # no more wait than decode, so this walks at most twice the running
-            allowance = limit * config.mixed_prefill_drain_steps
             for request in self.requests.values():
                 if request.state is PENDING:
-                    allowance -= request.num_tokens
-                    if allowance < 0:
-                        return None
+                    waiting_tokens += request.num_tokens
+                    longest = max(longest, request.num_tokens)
+        limit = max(floor, int(config.mixed_prefill_per_decode * num_decoding))
+        if chunks:
+            limit = max(limit, -(-longest // chunks))
+        if waiting_tokens > limit * config.mixed_prefill_drain_steps:
+            return None
         return limit
 
     def _admission_share(self, burst: bool) -> tuple[int, int]:

@@ -131,6 +131,8 @@ def test_admissions_past_their_share_are_rejected():
 
 MIXED = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=12, max_model_len=12,
                         mixed_prefill_tokens=2, mixed_prefill_per_decode=0.0)
+CHUNKS = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=12, max_model_len=12,
+                         mixed_prefill_tokens=2, mixed_prefill_per_decode=0.0, mixed_prefill_chunks=2)
 SPLIT = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=12, max_model_len=10,
                         admission_burst_split=2)
 
@@ -143,9 +145,11 @@ def long_prompt_beside_a_decode(h: CheckedHarness) -> None:
 
 # A rule, the trace it binds on, the core's config without it, and how the spec says so:
 # the bound of 2 prompt tokens beside a decode (the core computes all 6), and the older
-# half of a burst of 3 beside 1 running request (the core admits all 3).
+# half of a burst of 3 beside 1 running request (the core admits all 3); the bound
+# raised to half the 6-token prompt (3; at one chunk the core computes all 6).
 RULES = {
     "mixed": (MIXED, long_prompt_beside_a_decode, dict(mixed_prefill_tokens=0), "prompt tokens beside"),
+    "chunks": (CHUNKS, long_prompt_beside_a_decode, dict(mixed_prefill_chunks=1), "more than 3"),
     "split": (SPLIT, burst_beside_a_running_request, dict(admission_burst_split=0), "more than 1/2"),
 }
 

@@ -168,6 +168,23 @@ def arrive(scheduler: Scheduler, rng: random.Random, arrivals: list[int], now: i
         scheduler.add_request(random_request(rng, f"r{i}", float(arrivals.pop(0)), mixed=mixed))
 
 
+def random_arrival_plans(seed: int, policy: str = "fcfs", *, mixed: bool = True, **config) -> list[tuple]:
+    """Each plan's decisions (tokens scheduled, preempted ids) over 800 steps of 24
+    random requests arriving in the first 120, on a scheduler of 40 blocks of 4,
+    6 seats and 32 tokens a step (and `config`), which must finish them all."""
+    rng = random.Random(seed)
+    s = make_scheduler(policy, **{"num_blocks": 40, "block_size": 4, "max_num_seqs": 6,
+                                  "max_num_batched_tokens": 32, **config})
+    arrivals = sorted(rng.randint(0, 120) for _ in range(24))
+    out = []
+    for t in range(800):
+        arrive(s, rng, arrivals, t, 24, mixed=mixed)
+        plan, _ = step(s, float(t))
+        out.append((dict(plan.num_scheduled_tokens), list(plan.preempted_ids)))
+    assert not s.has_work() and not arrivals
+    return out
+
+
 def drive(s, arrivals: dict[int, list], eos_after: dict[str, int], steps: int) -> list[tuple]:
     """Run `steps` steps adding `arrivals[step]`; a request samples EOS once it
     has `eos_after[rid]` tokens (else a filler). Returns each plan's decisions."""

@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from core_helpers import admissions, arrive, completions, make_request, make_scheduler, run_until_idle, step
+from core_helpers import (admissions, arrive, completions, make_request, make_scheduler, random_arrival_plans,
+                          run_until_idle, step)
 
 PROMPT = 10
 
@@ -108,19 +109,8 @@ def test_a_budget_that_never_binds_changes_no_decision(policy, seed):
     """Arrivals over time, memory short enough to preempt: with a delay budget too
     large to bind, every plan is the one made without it."""
     def plans(budget: int) -> list:
-        rng = random.Random(seed)
-        s = make_scheduler(policy, num_blocks=40, block_size=4, max_num_seqs=6,
-                           max_num_batched_tokens=32, admission_watermark=0.0,
-                           admission_headroom_steps=0, admission_delay_budget=budget,
-                           admission_min_tokens=1)
-        arrivals = sorted(rng.randint(0, 120) for _ in range(24))
-        out = []
-        for t in range(800):
-            arrive(s, rng, arrivals, t, 24)
-            plan, _ = step(s, float(t))
-            out.append((dict(plan.num_scheduled_tokens), list(plan.preempted_ids)))
-        assert not s.has_work() and not arrivals
-        return out
+        return random_arrival_plans(seed, policy, admission_watermark=0.0, admission_headroom_steps=0,
+                                    admission_delay_budget=budget, admission_min_tokens=1)
     assert plans(10**9) == plans(0)
 
 

@@ -2,6 +2,7 @@
 than decode, a step computes a bounded number of prompt tokens (new admissions and
 the next chunks of prompts begun earlier together), so decode steps stay short;
 with nothing decoding, or a larger burst waiting, admission is as without it.
+`mixed_prefill_chunks` K raises the bound to the longest prompt over K.
 `admission_burst_split` N: beside running requests, while more wait than run, a step
 admits the oldest 1/N of those waiting."""
 
@@ -11,8 +12,8 @@ import random
 
 import pytest
 
-from core_helpers import (admissions, arrive, completions, make_request, make_scheduler, random_request,
-                          run_until_idle, step)
+from core_helpers import (admissions, arrive, completions, make_request, make_scheduler, random_arrival_plans,
+                          random_request, run_until_idle, step)
 
 from cadence.statemachine.policy import waiting_requests
 
@@ -35,6 +36,10 @@ def bound_before_step(s) -> int | None:
     if not num_decoding or len(waiting) > num_decoding:
         return None
     limit = max(config.mixed_prefill_tokens, int(config.mixed_prefill_per_decode * num_decoding))
+    if config.mixed_prefill_chunks:
+        begun = [r for r in s.running if len(r.all_token_ids) - r.num_computed_tokens > 1]
+        longest = max((r.num_tokens for r in waiting + begun), default=0)
+        limit = max(limit, -(-longest // config.mixed_prefill_chunks))
     if sum(r.num_tokens for r in waiting) > limit * config.mixed_prefill_drain_steps:
         return None
     return limit
@@ -122,13 +127,14 @@ def test_a_preempted_request_recomputes_within_the_bound():
     assert s.blocks.num_free_blocks == 12
 
 
+@pytest.mark.parametrize("chunks", [0, 3])
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("policy", ["fcfs", "priority", "fair"])
-def test_a_bound_loses_no_request_and_no_block_and_holds_in_every_step(policy, seed):
+def test_a_bound_loses_no_request_and_no_block_and_holds_in_every_step(policy, seed, chunks):
     rng = random.Random(seed)
     s = make_scheduler(policy, num_blocks=40, block_size=4, max_num_seqs=6, max_num_batched_tokens=32,
                        admission_delay_budget=rng.choice([0, 24]), admission_min_tokens=3,
-                       mixed_prefill_tokens=5, mixed_prefill_per_decode=1.0)
+                       mixed_prefill_tokens=5, mixed_prefill_per_decode=1.0, mixed_prefill_chunks=chunks)
     arrivals = sorted(rng.randint(0, 120) for _ in range(24))
     events, bound_held = [], 0
     for t in range(2000):
@@ -149,18 +155,8 @@ def test_a_bound_loses_no_request_and_no_block_and_holds_in_every_step(policy, s
 @pytest.mark.parametrize("seed", range(4))
 def test_a_bound_that_never_binds_changes_no_decision(seed):
     def plans(bound: int) -> list:
-        rng = random.Random(seed)
-        s = make_scheduler(num_blocks=40, block_size=4, max_num_seqs=6, max_num_batched_tokens=32,
-                           admission_watermark=0.0, admission_headroom_steps=0,
-                           mixed_prefill_tokens=bound)
-        arrivals = sorted(rng.randint(0, 120) for _ in range(24))
-        out = []
-        for t in range(800):
-            arrive(s, rng, arrivals, t, 24, mixed=False)
-            plan, _ = step(s, float(t))
-            out.append((dict(plan.num_scheduled_tokens), list(plan.preempted_ids)))
-        assert not s.has_work()
-        return out
+        return random_arrival_plans(seed, mixed=False, admission_watermark=0.0, admission_headroom_steps=0,
+                                    mixed_prefill_tokens=bound)
     assert plans(10**9) == plans(0)
 
 
@@ -188,6 +184,47 @@ def test_drain_steps_decide_which_queue_the_bound_holds():
     assert sum(held.values()) == 3 + 1 and held.get("q0") == 1
     assert first_plan(mixed_prefill_drain_steps=30) == held  # 30 tokens within 30 steps of 1
     assert first_plan(mixed_prefill_drain_steps=29) == first_plan()
+
+
+def test_chunks_spread_a_long_prompt_over_that_many_steps_and_a_short_one_over_the_floor():
+    def chunks_of(prompt_len: int) -> list[int]:
+        s = decoding(2, mixed_prefill_tokens=4, mixed_prefill_per_decode=0.0, mixed_prefill_chunks=4)
+        s.add_request(make_request("p", prompt_len, max_tokens=4, ignore_eos=True, arrival_s=1.0))
+        out = []
+        while not s.requests["p"].output_token_ids:
+            plan, _ = step(s)
+            assert {"d0", "d1"} <= set(plan.num_scheduled_tokens)
+            out.append(plan.num_scheduled_tokens["p"])
+        return out
+    assert chunks_of(40) == [10] * 4  # the floor alone: ten steps of 4
+    assert chunks_of(42) == [11, 11, 11, 9]  # rounded up, never a fifth step
+    assert chunks_of(12) == [4] * 3  # 12 / 4 is under the floor
+
+
+def test_chunks_keep_a_queue_of_long_prompts_under_the_bound():
+    """3 x 40 tokens beside 3 decoding requests, floor 1: past 16 steps of the floor,
+    so admitted whole; at 4 chunks a prompt the bound is 10 and the queue joins 10 a
+    step, one prompt after another."""
+    def first_plans(chunks: int) -> list[dict]:
+        s = decoding(3, mixed_prefill_tokens=1, mixed_prefill_per_decode=0.0, mixed_prefill_chunks=chunks)
+        for i in range(3):
+            s.add_request(make_request(f"q{i}", 40, max_tokens=4, ignore_eos=True, arrival_s=1.0 + i))
+        return [dict(step(s)[0].num_scheduled_tokens) for _ in range(5)]
+    assert sum(first_plans(0)[0].values()) == 3 + 120
+    held = first_plans(4)
+    assert [p.get("q0", 0) for p in held] == [10, 10, 10, 10, 1]
+    assert all(sum(p.values()) == 3 + 10 for p in held[:4])
+    assert held[4].get("q1") == 10  # q0 decodes now, beside the next prompt's first chunk
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_chunks_that_never_raise_the_bound_change_no_decision(seed):
+    """At 1,000 chunks a prompt's share is one token, under the floor of 3, so the
+    plans are those without chunks."""
+    def plans(chunks: int) -> list:
+        return random_arrival_plans(seed, mixed_prefill_tokens=3, mixed_prefill_per_decode=1.0,
+                                    mixed_prefill_chunks=chunks)
+    assert plans(1000) == plans(0)
 
 
 def test_a_burst_beside_running_requests_joins_in_two_halves():

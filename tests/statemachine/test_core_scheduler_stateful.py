@@ -139,6 +139,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             preempt_max_recompute_tokens=draw(st.sampled_from([0, 1, 4]), label="preempt recompute"),
             preempt_max_times=draw(st.sampled_from([0, 1, 2]), label="preempt times"),
             mixed_prefill_drain_steps=draw(st.sampled_from([16, 1, 64]), label="mixed drain steps"),
+            mixed_prefill_chunks=draw(st.sampled_from([0, 0, 2]), label="mixed chunks"),
             debug_checks=True,
         )
         full = -(-max_model_len // block_size)  # blocks one request of max_model_len needs
