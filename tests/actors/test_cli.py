@@ -17,7 +17,7 @@ from cadence.actors.engine import demo_model_dir
 from cadence.actors.engine_args import (PACED_BURST_SPLIT, PACED_FINISH_HOLD_STEPS, PACED_MIXED_PREFILL_TOKENS,
                                          SERVE_ADMISSION_DELAY_BUDGET, SERVE_CPU_AVX512_MAX_NUM_BATCHED_TOKENS,
                                          SERVE_CPU_MAX_NUM_BATCHED_TOKENS, SERVE_CPU_MIXED_DRAIN_STEPS,
-                                         SERVE_CPU_MIXED_PREFILL_TOKENS,
+                                         SERVE_CPU_MIXED_PREFILL_CHUNKS, SERVE_CPU_MIXED_PREFILL_TOKENS,
                                          SERVE_CPU_SMALL_MODEL_MAX_NUM_BATCHED_TOKENS,
                                          engine_config_from_args)
 from cadence.actors.serve.server import add_serve_parser
@@ -229,9 +229,9 @@ def test_a_cpu_servers_budget_for_a_larger_model_follows_the_cpus_vector_units(m
 @pytest.mark.parametrize("flags", ["fpu avx2 avx512f avx512bw", "fpu avx2 fma"])
 def test_a_cpu_server_bounds_prompts_beside_decodes_with_avx512(monkeypatch, flags):
     """With AVX-512 and a model that is not small, a step beside decodes computes at
-    most 48 prompt tokens, for queues up to 64 steps of it, at any thread count; a
-    small model or a CPU without AVX-512 keep no bound; a bound given keeps the core's
-    drain unless one is given too."""
+    most 16 prompt tokens or an eighth of the longest prompt, for queues up to 64 steps
+    of it, at any thread count; a small model or a CPU without AVX-512 keep no bound;
+    a bound given keeps the core's drain and no chunks unless they are given too."""
     from cadence.gpu import cpu_kernels
 
     monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: f"flags\t\t: {flags}")
@@ -239,27 +239,33 @@ def test_a_cpu_server_bounds_prompts_beside_decodes_with_avx512(monkeypatch, fla
 
     def mixed(*argv):
         s = engine_config_from_args(serve.parse_args(["--device", "cpu", *argv])).scheduler
-        return s.max_num_batched_tokens, s.mixed_prefill_tokens, s.mixed_prefill_drain_steps
+        return (s.max_num_batched_tokens, s.mixed_prefill_tokens, s.mixed_prefill_drain_steps,
+                s.mixed_prefill_chunks)
 
     core = SchedulerConfig().mixed_prefill_drain_steps
     assert core == 16 and SchedulerConfig().mixed_prefill_tokens == 0  # the embedded engine and LLM
-    assert mixed("--threads", "8") == (SERVE_CPU_SMALL_MODEL_MAX_NUM_BATCHED_TOKENS, 0, core)  # the demo
+    assert SchedulerConfig().mixed_prefill_chunks == 0
+    assert mixed("--threads", "8") == (SERVE_CPU_SMALL_MODEL_MAX_NUM_BATCHED_TOKENS, 0, core, 0)  # the demo
     if "avx512bw" not in flags:
-        assert mixed("--model", "qwen3-0.6b", "--threads", "4") == (SERVE_CPU_MAX_NUM_BATCHED_TOKENS, 0, core)
+        assert mixed("--model", "qwen3-0.6b", "--threads", "4") == (SERVE_CPU_MAX_NUM_BATCHED_TOKENS, 0, core, 0)
         return
-    bounded = (SERVE_CPU_AVX512_MAX_NUM_BATCHED_TOKENS, SERVE_CPU_MIXED_PREFILL_TOKENS, SERVE_CPU_MIXED_DRAIN_STEPS)
-    assert bounded == (256, 48, 64)
+    bounded = (SERVE_CPU_AVX512_MAX_NUM_BATCHED_TOKENS, SERVE_CPU_MIXED_PREFILL_TOKENS, SERVE_CPU_MIXED_DRAIN_STEPS,
+               SERVE_CPU_MIXED_PREFILL_CHUNKS)
+    assert bounded == (256, 16, 64, 8)
     for threads in ("1", "2", "auto"):
         assert mixed("--model", "qwen3-0.6b", "--threads", threads) == bounded
-    assert mixed("--model", "qwen3-0.6b", "--mixed-prefill-tokens", "24") == (256, 24, core)
-    assert mixed("--model", "qwen3-0.6b", "--mixed-prefill-tokens", "0") == (256, 0, core)
+    assert mixed("--model", "qwen3-0.6b", "--mixed-prefill-tokens", "24") == (256, 24, core, 0)
+    assert mixed("--model", "qwen3-0.6b", "--mixed-prefill-tokens", "0") == (256, 0, core, 0)
     assert mixed("--model", "qwen3-0.6b", "--mixed-prefill-tokens", "24", "--mixed-prefill-drain-steps",
-                 "64") == (256, 24, 64)
-    assert mixed("--model", "qwen3-0.6b", "--mixed-prefill-drain-steps", "5") == (256, 48, 5)
+                 "64", "--mixed-prefill-chunks", "4") == (256, 24, 64, 4)
+    assert mixed("--model", "qwen3-0.6b", "--mixed-prefill-drain-steps", "5") == (256, 16, 5, 8)
+    assert mixed("--model", "qwen3-0.6b", "--mixed-prefill-chunks", "2") == (256, 16, 64, 2)
     assert engine_config_from_args(serve.parse_args(
         ["--device", "cuda", "--model", "qwen3-0.6b"])).scheduler.mixed_prefill_tokens == 0
     with pytest.raises(ConfigError, match="--mixed-prefill-drain-steps must be >= 1, got 0"):
         mixed("--mixed-prefill-drain-steps", "0")
+    with pytest.raises(ConfigError, match="--mixed-prefill-chunks must be >= 0, got -1"):
+        mixed("--mixed-prefill-chunks", "-1")
 
 
 def test_a_cpu_server_schedules_as_vllms_and_takes_the_pacing_rules_when_asked(monkeypatch):
