@@ -371,7 +371,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         mixed_prefill_tokens=_cpu_default(args.mixed_prefill_tokens, "--mixed-prefill-tokens", on_cpu,
                                           cpu_mixed, 0),
         mixed_prefill_per_decode=args.mixed_prefill_per_decode, mixed_prefill_drain_steps=mixed_drain,
-        mixed_prefill_chunks=_cpu_default(args.mixed_prefill_chunks, "--mixed-prefill-chunks", True,
+        mixed_prefill_chunks=_cpu_default(args.mixed_prefill_chunks, "--mixed-prefill-chunks", on_cpu,
                                           cpu_chunks, 0),
         admission_min_tokens=args.admission_min_tokens,
         num_blocks=args.num_blocks, block_size=args.block_size, policy=args.policy,
@@ -382,12 +382,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         executor_options={**_tp_options(args), **cpu_options(args)})
 
 
-def _cpu_serving(model: str) -> tuple[int, int, int]:
+def _cpu_serving(model: str) -> tuple[int, int, int, int]:
     """A CPU server's token budget per step, its bound on prompt tokens beside decodes
-    (0: none) and that bound's drain steps (0: the core's), for `model` (a directory,
-    'demo' or a preset):
+    (0: none), that bound's drain steps (0: the core's) and chunks a prompt (0: none),
+    for `model` (a directory, 'demo' or a preset):
     SERVE_CPU_SMALL_MODEL_MAX_NUM_BATCHED_TOKENS for a small model, else
-    SERVE_CPU_AVX512_MAX_NUM_BATCHED_TOKENS and SERVE_CPU_MIXED_PREFILL_TOKENS beside
+    SERVE_CPU_AVX512_MAX_NUM_BATCHED_TOKENS with the SERVE_CPU_MIXED_* bound beside
     decodes on a CPU with AVX-512, and
     SERVE_CPU_MAX_NUM_BATCHED_TOKENS elsewhere, also where its configuration cannot be
     read (the model's load then says why)."""
