@@ -153,7 +153,8 @@ class SchedulerConfig:
         chunked prefill.
       mixed_prefill_per_decode: see `mixed_prefill_tokens`.
       mixed_prefill_chunks: under `mixed_prefill_tokens`, the bound is at least
-        the longest prompt waiting or begun (its tokens to compute) divided by
+        the longest prompt waiting or begun (its whole length, not what is left
+        of it, so the share holds from its first chunk to its last) divided by
         this, rounded up, so that one prompt joins beside decoding requests in at
         most this many steps however long it is (0: the bound alone). A small
         bound then keeps the gaps between tokens short where prompts are short
