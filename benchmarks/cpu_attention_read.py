@@ -7,7 +7,7 @@ matter of memory bandwidth. A benchmark over one layer's cache measures
 something else: the cache fits in L3 and reads from it run at twice the
 memory's pace. This one keeps `--layers` layers of random-valued caches (the
 blocks of each sequence scattered in random order, as a long-running engine
-leaves them, in one mapping advised for huge pages as the runner's cache is) and
+leaves them, in one private mapping of 4 KiB pages as the runner's cache is) and
 attends over all of them per step, as the model does; it
 prints the bytes read per second next to a plain streaming read
 (`cpu_peers.memory_bandwidth_gb_s`, the figure `cpu_peers.py limit` compares
