@@ -603,7 +603,7 @@ def test_argmax_kernel_gives_torchs_index_with_ties_infinities_and_nans(kernel, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 29, 128, 300])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 20, 29, 32, 128, 300])
 @pytest.mark.parametrize("out_features, in_features, with_bias", [(100, 48, True), (32, 768, False),
                                                                     (1536, 64, True)])
 @pytest.mark.parametrize("num_threads", [1, 2])
