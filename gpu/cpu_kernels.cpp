@@ -1692,9 +1692,9 @@ void small_product_all(const at::Tensor& x, const at::Tensor& packed, const c10:
   // up to kSmallRows rows); with AVX2, of kTileRows and the rest last: fewer rows a run
   // wait on the multiplier's latency (Zen 3, weight in cache: 6 rows 94 GFLOP/s, 4 rows 60).
   // With several runs, each also prefetches its share of the next group's weight as it
-  // goes (`FetchShare`; the AVX-512 kernels), so that the weight streams from memory during all of a group's
-  // runs, not during the first alone (which then read at ~20 GB/s while the others
-  // waited on nothing). The first group of a thread's range comes from memory as its
+  // goes (`FetchShare`; the AVX-512 kernels), so that the weight streams from memory
+  // during all of a group's runs, not during the first alone (which then read at
+  // ~20 GB/s while the others waited on nothing). The first group of a thread's range comes from memory as its
   // first run reads it, prefetching ahead of itself as a single run does. 1 thread,
   // Zen 4, the 125M model's 49 products of a decode step, weights from memory, two
   // alternations of the builds: bfloat16 24 rows 24.7-25.3 ms against 26.0-28.0, 28 rows
@@ -1724,7 +1724,10 @@ void small_product_all(const at::Tensor& x, const at::Tensor& packed, const c10:
         const int64_t n = std::min(run_rows, rows - first);
         FetchShare share;
         if (num_runs > 1 && g + 1 < end) {
-          auto cut = [&](int64_t r) { return next + (r == num_runs ? group_bytes : r * group_bytes / num_runs / 128 * 128); };
+          // Run r's share starts at r / num_runs of the group (whole 128-byte steps).
+          auto cut = [&](int64_t r) {
+            return next + (r == num_runs ? group_bytes : r * group_bytes / num_runs / 128 * 128);
+          };
           share = {cut(run), cut(run + 1), num_runs};
         }
         if (first == 0 && (g == begin || num_runs == 1)) {
