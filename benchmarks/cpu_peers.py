@@ -141,6 +141,13 @@ def prompts(count: int, seed: int = 0, vocab_size: int = MODEL_SHAPE["vocab_size
     return [[rng.randrange(low, vocab_size) for _ in range(length)] for _ in range(count)]
 
 
+def batch_prompts(batch: int) -> list[list[int]]:
+    """The offline run's `batch` prompts: drawn for that batch size alone, so that no
+    batch repeats a prompt of another (or of the warm-up) and no engine's prefix cache
+    serves part of a batch from the one before it."""
+    return prompts(batch, seed=1000 + batch)
+
+
 @dataclasses.dataclass(frozen=True)
 class Lengths:
     """The serving benchmark's request lengths: `prompt` and `output` tokens, each drawn
@@ -196,7 +203,7 @@ def _timed(generate, batches: list[int]):
     generate(prompts(1, seed=99), WARMUP_TOKENS)
     for batch in batches:
         start = time.perf_counter()
-        outputs = generate(prompts(batch), OUTPUT_LEN)
+        outputs = generate(batch_prompts(batch), OUTPUT_LEN)
         seconds = time.perf_counter() - start
         num_tokens = sum(len(o) for o in outputs)
         if num_tokens != batch * OUTPUT_LEN:

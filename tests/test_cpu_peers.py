@@ -104,3 +104,17 @@ def test_a_stream_that_did_its_work_without_text_has_no_latencies_and_others_fai
     peers = _stream(monkeypatch, [_chunk(""), _chunk("", "stop"), {"choices": [], "usage": {"completion_tokens": 2}}])
     with pytest.raises(RuntimeError, match="finish_reason 'stop' after 2 tokens"):
         peers._one_request(0, "m", [1, 2], max_tokens=3)
+
+
+def test_offline_batches_share_no_prompt_prefix():
+    """Each offline batch draws its own prompts: no prompt of one batch (or of the
+    warm-up) starts with the first cache block of another's, so no engine's prefix cache
+    serves part of a batch from an earlier one (batch 64 once repeated batch 8's prompts)."""
+    sys.path.insert(0, BENCHMARKS)
+    import cpu_peers
+
+    batches = {batch: cpu_peers.batch_prompts(batch) for batch in (1, 8, 64)}
+    assert all(len(batches[b]) == b and {len(p) for p in batches[b]} == {cpu_peers.PROMPT_LEN} for b in batches)
+    heads = [tuple(p[:16]) for ps in batches.values() for p in ps] + [tuple(cpu_peers.prompts(1, seed=99)[0][:16])]
+    assert len(set(heads)) == len(heads)
+    assert cpu_peers.batch_prompts(8) == cpu_peers.batch_prompts(8)
