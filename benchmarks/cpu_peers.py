@@ -22,10 +22,12 @@ object with the load average beside it. Modes:
              within +-`--spread` of them (0 by default): with equal lengths a
              closed loop of clients can fall into rounds that come back
              together, which varied lengths do not.
-  limit      the physical limit: memory bandwidth measured by reading a buffer
+  limit      the physical limits: memory bandwidth measured by reading a buffer
              far larger than the caches, and the weight bytes a batch-1 decode
              step reads, divided by the ms per token Cadence measured (the
-             achieved share of the bandwidth).
+             achieved share of the bandwidth); and the multiply-add peak of the
+             cores (`cpu_peak.c`) against the flops of the batch-64 offline run
+             (the least time that run can take, and Cadence's share of it).
   agreement  greedy tokens of Cadence in the given dtype against transformers
              in float32 on `--prompts` prompts: the token match rate.
 
@@ -610,11 +612,92 @@ def memory_bandwidth_gb_s(gib: int = 1, reps: int = 5) -> float:
     return buffer.numel() * 4 / best / 1e9
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelCounts:
+    """What the 125M model's forward pass reads and computes: parameters of the decoder
+    layers and of the output head, and the attention's shape."""
+
+    layer_params: int  # every decoder layer's projections together
+    head_params: int
+    layers: int
+    heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, shape: dict = MODEL_SHAPE) -> "ModelCounts":
+        hidden, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+        head_dim = hidden // shape["num_attention_heads"]
+        kv = head_dim * shape["num_key_value_heads"]
+        per_layer = hidden * (2 * hidden + 2 * kv) + 3 * hidden * inter
+        return cls(layers * per_layer, hidden * shape["vocab_size"], layers, shape["num_attention_heads"], head_dim)
+
+    def decode_weight_bytes(self, element: int) -> int:
+        """Weight bytes one decode step reads (the embedding table is only indexed)."""
+        return (self.layer_params + self.head_params) * element
+
+    def attention_flop(self, query_tokens: int, context: int) -> int:
+        """Flops of one query token's attention over `context` positions, every layer."""
+        return 4 * self.heads * self.head_dim * context * self.layers * query_tokens
+
+    def offline_flop(self, batch: int, prompt: int = PROMPT_LEN, output: int = OUTPUT_LEN) -> int:
+        """Flops of the offline run of `batch` requests: each prompt through every layer
+        (the head only on its last row, whose logits give the first token), then
+        `output` - 1 decode steps, with causal attention over each token's context."""
+        prefill = batch * (prompt * 2 * self.layer_params + 2 * self.head_params)
+        prefill += batch * sum(self.attention_flop(1, c) for c in range(1, prompt + 1))
+        decode = batch * (output - 1) * 2 * (self.layer_params + self.head_params)
+        decode += batch * sum(self.attention_flop(1, c) for c in range(prompt + 1, prompt + output))
+        return prefill + decode
+
+
+def compiled(source: Path, *flags: str):
+    """The C file `source` built for this CPU as a shared library (once per content)."""
+    import ctypes
+    import hashlib
+    import tempfile
+
+    text = source.read_bytes()
+    digest = hashlib.sha256(text + " ".join(flags).encode()).hexdigest()[:12]
+    library = Path(tempfile.gettempdir()) / f"cadence-{source.stem}-{digest}.so"
+    if not library.exists():
+        partial = library.with_suffix(f".{time.monotonic_ns()}.tmp")
+        subprocess.run(["gcc", "-O2", "-march=native", "-shared", "-fPIC", *flags, str(source), "-o", str(partial)],
+                       check=True)
+        partial.replace(library)
+    return ctypes.CDLL(str(library))
+
+
+def compute_peak_gflop_s(dtype: str, threads: int, rounds: int = 20_000_000, reps: int = 5) -> float:
+    """GFLOP/s of `threads` cores each running independent multiply-add chains of
+    `dtype` (`cpu_peak.c`), best of `reps`: what no product of that dtype can beat
+    on this CPU without AMX tiles (which this does not measure)."""
+    import ctypes
+
+    lib = compiled(HERE / "cpu_peak.c")
+    loop = lib.peak_bf16 if dtype == "bfloat16" else lib.peak_f32
+    loop.restype, loop.argtypes = ctypes.c_double, [ctypes.c_int64]
+    per_round = 12 * (lib.bf16_flops_per_lane() if dtype == "bfloat16" else 2 * lib.f32_lanes())
+    best = float("inf")
+    for _ in range(reps):
+        # ctypes lets go of the GIL for the call: the threads run side by side.
+        workers = [threading.Thread(target=loop, args=(rounds,)) for _ in range(threads)]
+        start = time.perf_counter()
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        best = min(best, time.perf_counter() - start)
+    return per_round * rounds * threads / best / 1e9
+
+
 def limit(args: argparse.Namespace) -> None:
-    """Memory bandwidth against the weight bytes a batch-1 decode step reads per ms."""
+    """The physical limits: memory bandwidth against the weight bytes a batch-1 decode
+    step reads per ms, and the multiply-add peak against the flops of the largest
+    offline batch (compute-bound: its time can be no less than its flops at the peak)."""
     import torch
 
     directory = build_model(args.work_dir)
+    counts = ModelCounts.of()
     for threads in args.threads:
         torch.set_num_threads(threads)
         bandwidth = memory_bandwidth_gb_s()
@@ -622,12 +705,7 @@ def limit(args: argparse.Namespace) -> None:
             record = run_child(sys.executable, ["child-offline", "--engine", "cadence", "--model", str(directory),
                                                 "--dtype", dtype, "--threads", str(threads), "--batches", "1"])[0]
             element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-            shape = MODEL_SHAPE
-            hidden, inter, layers, vocab = (shape["hidden_size"], shape["intermediate_size"],
-                                            shape["num_hidden_layers"], shape["vocab_size"])
-            kv = hidden // shape["num_attention_heads"] * shape["num_key_value_heads"]
-            per_layer = hidden * (2 * hidden + 2 * kv) + 3 * hidden * inter
-            weight_bytes = (layers * per_layer + hidden * vocab) * element  # the embedding table is only indexed
+            weight_bytes = counts.decode_weight_bytes(element)
             achieved = weight_bytes / (record["ms_per_token"] / 1e3) / 1e9
             step_ms = runner_decode_ms(directory, dtype, threads)
             emit(mode="limit", threads=threads, dtype=dtype, bandwidth_gb_s=round(bandwidth, 2),
@@ -635,6 +713,18 @@ def limit(args: argparse.Namespace) -> None:
                  read_gb_s=round(achieved, 2), share_of_bandwidth=round(achieved / bandwidth, 3),
                  model_step_ms=round(step_ms, 2),
                  model_share_of_bandwidth=round(weight_bytes / (step_ms / 1e3) / 1e9 / bandwidth, 3))
+            batch = max(args.batches)
+            record = run_child(sys.executable, ["child-offline", "--engine", "cadence", "--model", str(directory),
+                                                "--dtype", dtype, "--threads", str(threads),
+                                                "--batches", str(batch)])[0]
+            peak = compute_peak_gflop_s(dtype, threads)
+            gflop = counts.offline_flop(batch) / 1e9
+            floor_s = gflop / peak
+            emit(mode="compute-limit", threads=threads, dtype=dtype, batch=batch, peak_gflop_s=round(peak, 1),
+                 run_gflop=round(gflop, 1), floor_s=round(floor_s, 3),
+                 floor_tokens_per_s=round(batch * OUTPUT_LEN / floor_s, 1), seconds=record["seconds"],
+                 tokens_per_s=record["tokens_per_s"], achieved_gflop_s=round(gflop / record["seconds"], 1),
+                 share_of_peak=round(floor_s / record["seconds"], 3))
 
 
 def runner_decode_ms(directory: Path, dtype: str, threads: int) -> float:
@@ -736,7 +826,9 @@ def main(argv: list[str] | None = None) -> None:
     srv.add_argument("--output-len", type=int, default=OUTPUT_LEN, help=f"tokens generated (default {OUTPUT_LEN})")
     srv.add_argument("--spread", type=float, default=0.0,
                      help="each request's lengths drawn uniformly from +- this fraction of them (default 0)")
-    sub.add_parser("limit", parents=[common])
+    lim = sub.add_parser("limit", parents=[common])
+    lim.add_argument("--batches", type=int, nargs="+", default=[64],
+                     help="the compute limit's batch: the largest given (default 64)")
     agr = sub.add_parser("agreement", parents=[common])
     agr.add_argument("--prompts", type=int, default=32)
     sub.add_parser("build", parents=[common])

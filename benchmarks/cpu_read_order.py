@@ -24,14 +24,11 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import hashlib
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-from cpu_peers import emit, memory_bandwidth_gb_s
+from cpu_peers import compiled, emit, memory_bandwidth_gb_s
 
 from cadence.gpu.host_memory import zeroed_cpu_tensor
 
@@ -40,15 +37,7 @@ SOURCE = Path(__file__).with_name("cpu_read_order.c")
 
 def build() -> ctypes.CDLL:
     """The reading loop, compiled for this CPU once per source."""
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source).hexdigest()[:12]
-    library = Path(tempfile.gettempdir()) / f"cadence-read-order-{digest}.so"
-    if not library.exists():
-        partial = library.with_suffix(f".{time.monotonic_ns()}.tmp")
-        subprocess.run(["gcc", "-O2", "-march=native", "-shared", "-fPIC", str(SOURCE), "-o", str(partial)],
-                       check=True)
-        partial.replace(library)
-    lib = ctypes.CDLL(str(library))
+    lib = compiled(SOURCE)
     lib.read_lines.restype = ctypes.c_uint64
     lib.read_lines.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 6
     return lib

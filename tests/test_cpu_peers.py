@@ -118,3 +118,69 @@ def test_offline_batches_share_no_prompt_prefix():
     heads = [tuple(p[:16]) for ps in batches.values() for p in ps] + [tuple(cpu_peers.prompts(1, seed=99)[0][:16])]
     assert len(set(heads)) == len(heads)
     assert cpu_peers.batch_prompts(8) == cpu_peers.batch_prompts(8)
+
+
+def test_model_counts_match_the_model_cadence_builds():
+    """The limit's parameter counts are those of the benchmark model's projections and
+    head, counted on the model itself (on the meta device)."""
+    sys.path.insert(0, BENCHMARKS)
+    import cpu_peers
+    import torch
+
+    from cadence.gpu.attention import get_attention_backend
+    from cadence.gpu.config import ModelConfig
+    from cadence.gpu.model import build_model
+
+    shape = dict(cpu_peers.MODEL_SHAPE, model_type="llama", tie_word_embeddings=False)
+    model = build_model(ModelConfig.from_hf_config(shape), get_attention_backend("reference"),
+                        torch.float32, "meta")
+    layer_params = sum(p.numel() for name, p in model.named_parameters()
+                       if p.dim() == 2 and ".layers." in name)
+    counts = cpu_peers.ModelCounts.of()
+    assert counts.layer_params == layer_params
+    assert counts.head_params == model.lm_head.weight.numel()
+    assert counts.decode_weight_bytes(2) == 2 * (layer_params + model.lm_head.weight.numel())
+
+
+def test_offline_flops_count_every_token_position_once():
+    """The offline run's flops against a count token by token: each prompt position
+    through the layers with causal attention, the head on each prompt's last row,
+    then each decoded token through layers and head over its whole context."""
+    sys.path.insert(0, BENCHMARKS)
+    import cpu_peers
+
+    counts = cpu_peers.ModelCounts(layer_params=1000, head_params=300, layers=2, heads=3, head_dim=4)
+    batch, prompt, output = 5, 6, 4
+    expected = 0
+    for _ in range(batch):
+        for position in range(prompt):
+            expected += 2 * 1000 + 4 * 3 * 4 * (position + 1) * 2
+        expected += 2 * 300
+        for position in range(prompt, prompt + output - 1):
+            expected += 2 * (1000 + 300) + 4 * 3 * 4 * (position + 1) * 2
+    assert counts.offline_flop(batch, prompt, output) == expected
+
+
+def test_the_peak_loop_counts_the_lanes_this_cpu_has():
+    """`cpu_peak.c` multiplies on the vectors the CPU has (16 float32 lanes with
+    AVX-512, 8 with AVX2), bfloat16 pairs where it has AVX512_BF16; its chains run
+    the rounds they are asked for (each chain c starts at c: 66 over twelve after no
+    round, and one round of x * 0.999999 + 1e-7 matches float32 arithmetic)."""
+    sys.path.insert(0, BENCHMARKS)
+    import ctypes
+
+    import cpu_peers
+    import numpy as np
+
+    flags = open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0].split()
+    lib = cpu_peers.compiled(cpu_peers.HERE / "cpu_peak.c")
+    lanes = 16 if "avx512f" in flags else 8
+    assert lib.f32_lanes() == lanes
+    assert lib.bf16_flops_per_lane() == (64 if "avx512_bf16" in flags and lanes == 16 else 2 * lanes)
+    lib.peak_f32.restype, lib.peak_f32.argtypes = ctypes.c_double, [ctypes.c_int64]
+    assert lib.peak_f32(0) == 66.0
+    chains = np.arange(12, dtype=np.float32)
+    one_round = (chains.astype(np.float64) * np.float64(np.float32(0.999999))
+                 + np.float64(np.float32(1e-7))).astype(np.float32)
+    assert lib.peak_f32(1) == pytest.approx(float(one_round.astype(np.float64).sum()), rel=0, abs=1e-9)
+    assert 0 < cpu_peers.compute_peak_gflop_s("float32", 1, rounds=1000, reps=1) < 1e5
