@@ -2,15 +2,18 @@
  * never wait on memory or on each other.
  *
  * `peak_f32(iters)` runs `iters` rounds of CHAINS float32 multiply-adds on full
- * vectors (16 lanes with AVX-512, 8 with AVX2 and FMA), `peak_bf16(iters)` the same
+ * vectors (16 lanes with AVX-512, 8 with AVX2 and FMA; elsewhere, as on arm64, plain
+ * float multiply-adds, which the compiler may pack as it likes), `peak_bf16(iters)` the same
  * with bfloat16 pair dot products (VDPBF16PS: two multiply-adds a lane) where the CPU
  * has AVX512_BF16, else with float32 multiply-adds as a kernel without it computes
  * bfloat16. Each returns a sum of its chains, so that none can be left out;
  * `f32_lanes()` and `bf16_flops_per_lane()` say how many flops a round's instruction
  * does per chain. Built by cpu_peers.py.
  */
-#include <immintrin.h>
 #include <stdint.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 #define CHAINS 12
 
@@ -20,12 +23,18 @@ typedef __m512 vec;
 #define SET1 _mm512_set1_ps
 #define FMA _mm512_fmadd_ps
 static float first_lane(vec v) { return _mm512_cvtss_f32(v); }
-#else
+#elif defined(__AVX2__) && defined(__FMA__)
 typedef __m256 vec;
 #define LANES 8
 #define SET1 _mm256_set1_ps
 #define FMA _mm256_fmadd_ps
 static float first_lane(vec v) { return _mm256_cvtss_f32(v); }
+#else
+typedef float vec;
+#define LANES 1
+#define SET1(x) (x)
+#define FMA __builtin_fmaf
+static float first_lane(vec v) { return v; }
 #endif
 
 /* A function `name(iters)`: CHAINS chains of `type`, chain c starting at c in every
