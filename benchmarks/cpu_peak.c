@@ -7,8 +7,8 @@
  * with bfloat16 pair dot products (VDPBF16PS: two multiply-adds a lane) where the CPU
  * has AVX512_BF16, else with float32 multiply-adds as a kernel without it computes
  * bfloat16. Each returns a sum of its chains, so that none can be left out;
- * `f32_lanes()` and `bf16_flops_per_lane()` say how many flops a round's instruction
- * does per chain. Built by cpu_peers.py.
+ * `chains()`, `f32_lanes()` and `bf16_flops_per_lane()` say how many chains a round
+ * runs and how many flops its instruction does per chain. Built by cpu_peers.py.
  */
 #include <stdint.h>
 #if defined(__x86_64__) || defined(__i386__)
@@ -52,6 +52,7 @@ static float first_lane(vec v) { return v; }
   }
 
 int f32_lanes(void) { return LANES; }
+int chains(void) { return CHAINS; }
 
 #define F32_STEP(acc) FMA(acc, SET1(0.999999f), SET1(1e-7f))
 CHAIN_LOOP(peak_f32, vec, SET1, F32_STEP, first_lane)
